@@ -1,0 +1,109 @@
+"""Model checkpoints: a Megatron distributed checkpoint (torch_dist) plus what rebuilds the model.
+
+Layout of a checkpoint folder::
+
+    CKPT/megatron_rlhf.json   format, model kind, padded vocab, dtype (written last: marks completion)
+    CKPT/hf/                  HF config and tokenizer files (no weights)
+    CKPT/model/               megatron.core.dist_checkpointing torch_dist shards
+
+Saves go to ``CKPT.partial`` and are renamed into place only when complete, so a killed save never
+leaves a folder that looks finished. Loads reshard to any TP/PP layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.convert.hf_io import copy_hf_assets
+from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.hf_config import ModelArch, arch_from_hf_config
+
+META_FILE = "megatron_rlhf.json"
+FORMAT_VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint folder says about the model inside it."""
+
+    path: Path
+    arch: ModelArch
+    padded_vocab: int
+    dtype: torch.dtype
+
+    @property
+    def hf_dir(self) -> Path:
+        return self.path / "hf"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> CheckpointInfo:
+    """Read a checkpoint's metadata; :class:`UserError` if the folder is not a complete one."""
+    from transformers import AutoConfig
+
+    path = Path(ckpt_dir)
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise UserError(f"{path} is not a complete megatron_rlhf checkpoint (no {META_FILE})")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"{meta_path}: unsupported format_version {meta.get('format_version')}")
+    arch = arch_from_hf_config(AutoConfig.from_pretrained(path / "hf", local_files_only=True))
+    return CheckpointInfo(path, arch, int(meta["padded_vocab"]), _DTYPES[meta["dtype"]])
+
+
+def check_writable(out_dir: str | os.PathLike) -> Path:
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"output folder {out} already exists and is not empty")
+    return out
+
+
+def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
+                          dtype: torch.dtype, hf_assets_dir: str | os.PathLike) -> Path:
+    """Collectively save ``model`` (all ranks call this) atomically into ``out_dir``."""
+    from megatron.core import dist_checkpointing
+
+    out = Path(out_dir)
+    partial = out.with_name(out.name + ".partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        check_writable(out)
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "model").mkdir(parents=True)
+        copy_hf_assets(hf_assets_dir, partial / "hf")
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"))
+    dist.barrier()
+    if rank == 0:
+        meta = {"format_version": FORMAT_VERSION, "kind": arch.kind, "family": arch.family,
+                "padded_vocab": padded_vocab, "dtype": dtype_name(dtype)}
+        (partial / META_FILE).write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(partial, out)
+    dist.barrier()
+    return out
+
+
+def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups):
+    """Build this rank's model stage under ``groups`` and fill it from the checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    model = build_model(info.arch, groups, info.dtype, info.padded_vocab)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(info.path / "model"))
+    model.load_state_dict(state, strict=False)
+    return model

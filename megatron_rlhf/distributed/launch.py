@@ -1,0 +1,142 @@
+"""Rank discovery (torchrun or Slurm), process-group start-up, and the local multi-process launcher.
+
+The same entry point runs unchanged under ``torchrun``, under ``srun`` and as a plain single
+process; ``--nproc-per-node K`` on the CLI re-launches it K times through torch elastic.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.distributed.platform import apply_platform, platform_is_cpu
+from megatron_rlhf.errors import UserError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list: ``"gpu[003-010,012],cpu1"`` -> ``"gpu003"``."""
+    nodelist = nodelist.strip()
+    if not nodelist:
+        raise UserError("SLURM_JOB_NODELIST is empty")
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise UserError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def discover_rank(env: dict[str, str] | None = None) -> RankInfo:
+    """Read rank variables: torchrun's first, then Slurm's, else a single process."""
+    env = dict(os.environ) if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankInfo(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            source="torchrun",
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        job_id = int(env.get("SLURM_JOB_ID", "0"))
+        # Derive the port from the job id so concurrent jobs sharing a node do not collide.
+        port = int(env.get("MASTER_PORT", 20000 + job_id % 20000))
+        return RankInfo(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "")),
+            master_port=port,
+            source="slurm",
+        )
+    return RankInfo(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0) or 0), "single")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: int = 30) -> RankInfo:
+    """Start the default process group: ``nccl`` on GPU, ``gloo`` on CPU (with the CPU bridge).
+
+    Idempotent: a second call returns the already-running world's info.
+    """
+    info = discover_rank()
+    apply_platform()
+    if dist.is_initialized():
+        return info
+    port = info.master_port or _free_port()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    backend = "gloo" if platform_is_cpu() else "nccl"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{info.master_addr}:{port}",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+    return info
+
+
+def inside_launch() -> bool:
+    """True when this process was started by torchrun, srun or our own launcher."""
+    return discover_rank().source != "single"
+
+
+def relaunch(nproc_per_node: int, argv: list[str]) -> int:
+    """Run ``python -m megatron_rlhf.cli *argv`` as ``nproc_per_node`` local ranks (torch elastic).
+
+    Returns the exit code: 0, or the first failing rank's code. Each rank prints its own clean error.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    threads = max(1, (os.cpu_count() or 1) // nproc_per_node)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "megatron_rlhf.cli", *argv)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        print(f"error: rank {rank} of {nproc_per_node} failed (exit code {failure.exitcode})",
+              file=sys.stderr)
+        return failure.exitcode or 1
+    return 0

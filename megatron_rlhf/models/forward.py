@@ -1,0 +1,77 @@
+"""Forward-only passes through a (possibly pipelined) Megatron model, one micro-batch at a time."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.distributed.platform import device
+
+
+def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists into ``input_ids [B, T]`` and ``lengths [B]``.
+
+    Right padding never changes a causal model's outputs at real positions, so no mask is needed.
+    """
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    tokens = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return tokens, lengths
+
+
+@torch.no_grad()
+def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str, torch.Tensor]],
+                     head: Callable[[torch.Tensor, dict], Any]) -> list[Any]:
+    """Run every micro-batch through all pipeline stages, forward only.
+
+    Each micro-batch holds ``input_ids [b, t]``. ``head(output, batch)`` runs on the last stage
+    with the model's output ``[b, t, V_local]`` (policy; vocab-parallel) or ``[b, t, 1]`` (value).
+    Returns the heads' results in micro-batch order on the last stage, ``[]`` on other stages.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    model.eval()
+
+    # Pipeline stages exchange fixed-shape activations: right-pad every micro-batch to one length
+    # (harmless for a causal model; heads only read real positions).
+    seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        tokens = torch.nn.functional.pad(batch["input_ids"], (0, seq_length - batch["input_ids"].shape[1]))
+        tokens = tokens.to(device())
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        output = stage_model(tokens, positions, attention_mask=None)
+
+        def collect(output_tensor, non_loss_data=True):
+            return head(output_tensor, batch)
+
+        return output, collect
+
+    schedule = get_forward_backward_func(pp_size=groups.layout.pp)
+    results = schedule(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=max(b["input_ids"].shape[0] for b in micro_batches),
+        forward_only=True,
+        collect_non_loss_data=True,
+        pg_collection=groups.collection,
+    )
+    return list(results) if groups.is_last_stage else []
+
+
+def gather_vocab_parallel(logits: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """``[b, t, V/tp]`` per TP rank -> full ``[b, t, V]`` on every TP rank."""
+    if groups.layout.tp == 1:
+        return logits
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits.contiguous(), group=groups.tp)
