@@ -54,6 +54,11 @@ def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str
         return output, collect
 
     schedule = get_forward_backward_func(pp_size=groups.layout.pp)
+    extra = {}
+    if groups.layout.pp > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        extra["p2p_communicator"] = P2PCommunicator(groups.pp, model.config)
     results = schedule(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
@@ -64,6 +69,7 @@ def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str
         forward_only=True,
         collect_non_loss_data=True,
         pg_collection=groups.collection,
+        **extra,
     )
     return list(results) if groups.is_last_stage else []
 

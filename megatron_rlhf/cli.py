@@ -1,0 +1,151 @@
+"""``megatron-rlhf`` command line: one sub-command per job.
+
+Every job runs as a single process, under ``torchrun`` / ``srun`` unchanged, or with
+``--nproc-per-node K`` which re-launches it as K local ranks. Bad input ends with a one-line
+``error: ...`` on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from megatron_rlhf.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _size(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "B": 1}
+    for unit, factor in units.items():
+        if text.upper().endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def _add_layout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="launch this many local processes (ignored under torchrun/srun)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rlhf", description=__doc__.splitlines()[0])
+    jobs = parser.add_subparsers(dest="job", required=True)
+
+    convert = jobs.add_parser("convert", help="convert checkpoints between HF and Megatron")
+    direction = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = direction.add_parser("hf-to-mcore", help="HF folder -> Megatron dist checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True)
+    to_mcore.add_argument("--out-dir", required=True)
+    _add_layout(to_mcore)
+    to_hf = direction.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF folder")
+    to_hf.add_argument("--mcore-dir", required=True)
+    to_hf.add_argument("--out-dir", required=True)
+    to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
+                       help="largest safetensors file, e.g. 5GB or 200MB")
+
+    score = jobs.add_parser("score-rm", help="score prompt/chosen/rejected Parquet with a reward model")
+    score.add_argument("--model-dir", required=True, help="Megatron reward-model checkpoint")
+    score.add_argument("--data", required=True, help="Parquet with prompt, chosen, rejected")
+    score.add_argument("--output", required=True, help="Parquet written with *_reward columns")
+    score.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    _add_layout(score)
+
+    demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
+    demo.add_argument("--out-dir", default="runs/demo")
+    return parser
+
+
+def _validate_before_launch(args) -> None:
+    """Checks that need no process group, run once in the parent before ranks are spawned."""
+    from megatron_rlhf.checkpoint.model_ckpt import check_writable, read_checkpoint_info
+    from megatron_rlhf.convert.checkpoints import read_hf_arch
+    from megatron_rlhf.data.parquet import read_table
+    from megatron_rlhf.distributed.layout import ParallelLayout
+
+    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    if args.job == "convert":
+        arch = read_hf_arch(args.hf_dir)
+        check_writable(args.out_dir)
+    else:
+        arch = read_checkpoint_info(args.model_dir).arch
+        read_table(args.data, ("prompt", "chosen", "rejected"))
+    layout.resolve(args.nproc_per_node, arch.shape)
+
+
+def run(args) -> int:
+    from megatron_rlhf.distributed.layout import ParallelLayout
+
+    if args.job == "convert" and args.direction == "mcore-to-hf":
+        from megatron_rlhf.convert.checkpoints import mcore_to_hf
+
+        out = mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size)
+        print(f"wrote Hugging Face model to {out}")
+    elif args.job == "convert":
+        from megatron_rlhf.convert.checkpoints import hf_to_mcore
+
+        out = hf_to_mcore(args.hf_dir, args.out_dir, ParallelLayout(tp=args.tp, pp=args.pp))
+        if _rank() == 0:
+            print(f"wrote Megatron checkpoint to {out}")
+    elif args.job == "score-rm":
+        from megatron_rlhf.rewards.rm_scorer import score_pairs
+
+        result = score_pairs(args.model_dir, args.data, args.output,
+                             ParallelLayout(tp=args.tp, pp=args.pp), args.micro_batch_size)
+        if result is not None:
+            print(f"scored {len(result.chosen)} pairs -> {args.output}; "
+                  f"pairwise accuracy {result.accuracy:.4f}")
+    elif args.job == "demo":
+        from megatron_rlhf.demo import run_demo
+
+        return run_demo(args.out_dir)
+    return 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def _quiet_cpu_warnings() -> None:
+    # megatron-core warns about every missing GPU-only package; on CPU that is expected noise.
+    for module in ("megatron", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    warnings.filterwarnings("ignore", message="Please use DTensor instead")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    _quiet_cpu_warnings()
+    from megatron_rlhf.distributed.launch import inside_launch, relaunch
+
+    try:
+        nproc = getattr(args, "nproc_per_node", 1)
+        if nproc > 1 and not inside_launch():
+            _validate_before_launch(args)
+            return relaunch(nproc, argv)
+        return run(args)
+    except UserError as err:
+        prefix = f"[rank {_rank()}] " if inside_launch() else ""
+        print(f"{prefix}error: {err}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    finally:
+        _shutdown()
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Whole-checkpoint conversion: HF folder -> Megatron distributed checkpoint, and back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_rlhf.checkpoint.model_ckpt import (check_writable, load_model_checkpoint,
+                                                 read_checkpoint_info, save_model_checkpoint)
+from megatron_rlhf.convert.hf_io import HFReader, ShardedWriter, copy_hf_assets
+from megatron_rlhf.convert.weights import iter_hf_tensors, load_hf_weights
+from megatron_rlhf.distributed.launch import init_distributed
+from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.hf_config import arch_from_hf_config, padded_vocab_size
+
+
+def read_hf_arch(hf_dir: str | os.PathLike):
+    """The checked architecture of an HF folder; :class:`UserError` if unreadable or unsupported."""
+    from transformers import AutoConfig
+
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        raise UserError(f"missing config.json in {path}")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        raise UserError(f"cannot read {path / 'config.json'}: {str(err).splitlines()[0]}") from None
+    return arch_from_hf_config(config)
+
+
+def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayout()) -> Path:
+    """Convert an HF ``*ForCausalLM`` / ``*ForSequenceClassification`` folder into a checkpoint.
+
+    Runs under any layout (all ranks call it); each rank reads only the tensors of its stage.
+    """
+    arch = read_hf_arch(hf_dir)
+    reader = HFReader(hf_dir)
+    check_writable(out_dir)
+    init_distributed()
+    groups = build_parallel_groups(layout, arch.shape)
+    dtype = reader.dtype()
+    padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
+    model = build_model(arch, groups, dtype, padded)
+    load_hf_weights(model, reader, arch, groups, padded)
+    return save_model_checkpoint(model, out_dir, arch, padded, dtype, hf_dir)
+
+
+def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Export a checkpoint to an HF folder (safetensors, config, tokenizer), shard by shard."""
+    info = read_checkpoint_info(mcore_dir)
+    out = check_writable(out_dir)
+    init_distributed()
+    if dist.get_world_size() != 1:
+        raise UserError("mcore-to-hf runs as a single process (the checkpoint reshards on load)")
+    groups = build_parallel_groups(ParallelLayout(), info.arch.shape)
+    model = load_model_checkpoint(info, groups)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    writer = ShardedWriter(partial, max_shard_bytes)
+    tensors = iter_hf_tensors(model, info.arch, groups, info.padded_vocab)
+    for name, tensor in tqdm(tensors, desc="Megatron -> HF", unit="tensor"):
+        writer.add(name, tensor)
+    writer.close()
+    copy_hf_assets(info.hf_dir, partial)
+    if out.exists():
+        out.rmdir()
+    os.replace(partial, out)
+    return out

@@ -1,0 +1,78 @@
+"""Tiny Hugging Face models and tokenizers built offline: the embedded default for demos and tests.
+
+Nothing is downloaded: the tokenizer is a byte-level BPE trained in well under a second on text we
+pass in, and the models are random ``Qwen2``/``Llama`` configs whose norm weights and biases are
+perturbed away from their init values (1 and 0), so parity tests really exercise them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+
+
+def train_tokenizer(texts: list[str], out_dir: str | os.PathLike, vocab_size: int = 300,
+                    chat_template: bool = True):
+    """Train and save a byte-level BPE tokenizer loadable with ``AutoTokenizer``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>",
+                                        eos_token="<|end|>")
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer
+
+
+def tiny_config(family: str = "qwen2", kind: str = "policy", vocab_size: int = 250,
+                tie_word_embeddings: bool = False, num_layers: int = 4, hidden_size: int = 64,
+                pad_token_id: int | None = None):
+    """A small config of ``family`` ("qwen2" or "llama") as a causal LM or a 1-label classifier."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    prefix = {"qwen2": "Qwen2", "llama": "Llama"}[family]
+    suffix = "ForCausalLM" if kind == "policy" else "ForSequenceClassification"
+    return config_class(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
+        rope_theta=10000.0 if family == "qwen2" else 500000.0, rms_norm_eps=1e-6,
+        num_labels=1, pad_token_id=pad_token_id, architectures=[prefix + suffix],
+    )
+
+
+def make_tiny_model(config, out_dir: str | os.PathLike | None = None, seed: int = 0):
+    """Instantiate ``config`` with perturbed norms/biases; save it to ``out_dir`` if given."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    arch = config.architectures[0]
+    auto = AutoModelForCausalLM if arch.endswith("ForCausalLM") else AutoModelForSequenceClassification
+    model = auto.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+            elif name == "score.weight":
+                param.normal_(0.0, 0.5)
+    if out_dir is not None:
+        model.save_pretrained(Path(out_dir))
+    return model
