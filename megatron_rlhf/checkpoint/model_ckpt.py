@@ -105,5 +105,5 @@ def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups):
 
     model = build_model(info.arch, groups, info.dtype, info.padded_vocab)
     state = dist_checkpointing.load(model.sharded_state_dict(), str(info.path / "model"))
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state)
     return model

@@ -37,19 +37,21 @@ def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str
         return []
     model.eval()
 
-    # Pipeline stages exchange fixed-shape activations: right-pad every micro-batch to one length
-    # (harmless for a causal model; heads only read real positions).
+    # Pipeline stages exchange fixed-shape activations: right-pad every micro-batch to one
+    # [rows, length] (harmless for a causal model); heads only see the real rows.
     seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
+    micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
 
     def forward_step(data_iterator, stage_model):
         batch = next(data_iterator)
-        tokens = torch.nn.functional.pad(batch["input_ids"], (0, seq_length - batch["input_ids"].shape[1]))
-        tokens = tokens.to(device())
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        rows, length = batch["input_ids"].shape
+        tokens = torch.nn.functional.pad(
+            batch["input_ids"], (0, seq_length - length, 0, micro_batch_size - rows)).to(device())
+        positions = torch.arange(seq_length, device=tokens.device).expand_as(tokens)
         output = stage_model(tokens, positions, attention_mask=None)
 
         def collect(output_tensor, non_loss_data=True):
-            return head(output_tensor, batch)
+            return head(output_tensor[:rows, :length], batch)
 
         return output, collect
 
@@ -65,7 +67,7 @@ def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str
         model=[model],
         num_microbatches=len(micro_batches),
         seq_length=seq_length,
-        micro_batch_size=max(b["input_ids"].shape[0] for b in micro_batches),
+        micro_batch_size=micro_batch_size,
         forward_only=True,
         collect_non_loss_data=True,
         pg_collection=groups.collection,

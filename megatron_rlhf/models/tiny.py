@@ -41,7 +41,7 @@ def train_tokenizer(texts: list[str], out_dir: str | os.PathLike, vocab_size: in
 
 def tiny_config(family: str = "qwen2", kind: str = "policy", vocab_size: int = 250,
                 tie_word_embeddings: bool = False, num_layers: int = 4, hidden_size: int = 64,
-                pad_token_id: int | None = None):
+                num_kv_heads: int = 2, pad_token_id: int | None = None):
     """A small config of ``family`` ("qwen2" or "llama") as a causal LM or a 1-label classifier."""
     from transformers import LlamaConfig, Qwen2Config
 
@@ -50,7 +50,7 @@ def tiny_config(family: str = "qwen2", kind: str = "policy", vocab_size: int = 2
     suffix = "ForCausalLM" if kind == "policy" else "ForSequenceClassification"
     return config_class(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
         max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
         rope_theta=10000.0 if family == "qwen2" else 500000.0, rms_norm_eps=1e-6,
         num_labels=1, pad_token_id=pad_token_id, architectures=[prefix + suffix],

@@ -1,0 +1,128 @@
+"""Multi-process parity scenarios, run once under torchrun (4 ranks) by tests/test_parity.py.
+
+Every layout of one world is tried in turn (the groups are rebuilt each time); rank 0 writes a
+JSON of ``scenario -> max abs difference`` that the pytest side asserts on.
+Usage: torchrun --nproc-per-node 4 tests/dist_parity.py MODELS_ROOT WORKDIR OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info  # noqa: E402
+from megatron_rlhf.convert.checkpoints import hf_to_mcore, read_hf_arch  # noqa: E402
+from megatron_rlhf.convert.hf_io import HFReader  # noqa: E402
+from megatron_rlhf.convert.weights import load_hf_weights  # noqa: E402
+from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
+from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups  # noqa: E402
+from megatron_rlhf.models.builder import build_model  # noqa: E402
+from megatron_rlhf.models.forward import gather_vocab_parallel, pipeline_forward  # noqa: E402
+from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
+from megatron_rlhf.rewards.rm_scorer import score_sequences  # noqa: E402
+
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2), "tp4": (4, 1)}
+
+
+def max_over_world(value: float | None) -> float:
+    """Largest value any rank reports (ranks without an output report None)."""
+    tensor = torch.tensor([-1.0 if value is None else float(value)], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def logits_of(model, groups, tokens, vocab):
+    outputs = pipeline_forward(model, groups, [{"input_ids": tokens}],
+                               lambda out, _: gather_vocab_parallel(out, groups)[..., :vocab])
+    return outputs[0] if outputs else None
+
+
+def from_hf(hf_dir, layout):
+    arch = read_hf_arch(hf_dir)
+    groups = build_parallel_groups(ParallelLayout(*layout), arch.shape)
+    padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
+    model = build_model(arch, groups, torch.float32, padded)
+    load_hf_weights(model, HFReader(hf_dir), arch, groups, padded, progress=False)
+    return model, groups, arch
+
+
+def logits_parity(root: Path, results: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 250, (3, 17), generator=torch.Generator().manual_seed(0))
+    for name in ("qwen2_policy", "llama_policy"):
+        hf = AutoModelForCausalLM.from_pretrained(root / name).eval()
+        with torch.no_grad():
+            reference = hf(tokens).logits
+        for label, layout in LAYOUTS.items():
+            if name == "qwen2_policy" and layout[0] == 4:
+                continue  # 2 KV heads cannot split 4 ways (the layout check refuses it)
+            model, groups, arch = from_hf(root / name, layout)
+            logits = logits_of(model, groups, tokens, arch.vocab_size)
+            diff = None if logits is None else (logits - reference).abs().max().item()
+            results[f"logits/{name}/{label}"] = max_over_world(diff)
+
+
+def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
+    """Save at TP=2, reload at TP=1 and PP=2: logits must match the TP=2 model's."""
+    tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(1))
+    ckpt = workdir / "qwen2_tp2"
+    hf_to_mcore(str(root / "qwen2_policy"), str(ckpt), ParallelLayout(tp=2))
+    info = read_checkpoint_info(ckpt)
+    saved = None
+    for label, layout in (("tp2", (2, 1)), ("tp1", (1, 1)), ("pp2", (1, 2))):
+        groups = build_parallel_groups(ParallelLayout(*layout), info.arch.shape)
+        model = load_model_checkpoint(info, groups)
+        logits = logits_of(model, groups, tokens, info.arch.vocab_size)
+        # Every rank gets the full tensor so any rank can compare.
+        owner = 1.0 if logits is not None else 0.0
+        buffer = logits.contiguous() if logits is not None else torch.zeros(2, 11, info.arch.vocab_size)
+        flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, torch.tensor([owner]))
+        src = [i for i, flag in enumerate(flags) if flag.item() == 1.0][0]
+        dist.broadcast(buffer, src=src)
+        if saved is None:
+            saved = buffer.clone()
+        else:
+            results[f"ckpt/tp2->{label}"] = (buffer - saved).abs().max().item()
+
+
+def reward_parity(root: Path, results: dict) -> None:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    for name in ("qwen2_rm", "llama_rm"):
+        tokenizer = AutoTokenizer.from_pretrained(root / name)
+        hf = AutoModelForSequenceClassification.from_pretrained(root / name).eval()
+        texts = ["what is 3 plus 4? the answer is 7.", "what is 1 plus 1?", "hello", "7 8 9 10 11"]
+        sequences = [tokenizer(text)["input_ids"] for text in texts]
+        with torch.no_grad():
+            reference = torch.tensor([hf(torch.tensor([s])).logits[0, 0].item() for s in sequences])
+        for label in ("tp1", "tp2", "pp2"):
+            model, groups, _ = from_hf(root / name, LAYOUTS[label])
+            scores = score_sequences(model, groups, sequences, micro_batch_size=3,
+                                     pad_id=tokenizer.pad_token_id, progress=False)
+            diff = (torch.tensor(scores) - reference).abs().max().item() if scores else None
+            results[f"reward/{name}/{label}"] = max_over_world(diff)
+
+
+def main() -> None:
+    root, workdir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    init_distributed()
+    results: dict[str, float] = {}
+    logits_parity(root, results)
+    checkpoint_reshard(root, workdir, results)
+    reward_parity(root, results)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

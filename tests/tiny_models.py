@@ -1,0 +1,34 @@
+"""The tiny models every test shares: made once per session, offline, in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
+
+TEXTS = [f"what is {a} plus {b}? the answer is {a + b}." for a in range(40) for b in range(12)]
+
+# name -> (family, kind, tied embeddings, kv heads)
+MODELS = {
+    "qwen2_policy": ("qwen2", "policy", False, 2),  # GQA, QKV bias, untied
+    "llama_policy": ("llama", "policy", True, 4),  # tied embeddings, 4 KV heads so TP=4 is valid
+    "qwen2_rm": ("qwen2", "value", False, 2),
+    "llama_rm": ("llama", "value", True, 2),  # tie flag must be ignored for the scalar head
+}
+POLICY_VOCAB = 250  # not a multiple of 4: padded to 256 in Megatron
+
+
+def build_all(root: str | Path) -> dict[str, Path]:
+    """Write every tiny model (and the shared tokenizer) under ``root``; return name -> folder."""
+    root = Path(root)
+    tokenizer = train_tokenizer(TEXTS, root / "tokenizer", vocab_size=301)
+    paths = {}
+    for index, (name, (family, kind, tied, kv_heads)) in enumerate(MODELS.items()):
+        vocab = POLICY_VOCAB if kind == "policy" else len(tokenizer)
+        config = tiny_config(family, kind, vocab_size=vocab, tie_word_embeddings=tied,
+                             num_kv_heads=kv_heads, pad_token_id=tokenizer.pad_token_id)
+        paths[name] = root / name
+        make_tiny_model(config, paths[name], seed=index)
+        if kind == "value":
+            tokenizer.save_pretrained(paths[name])
+    return paths
