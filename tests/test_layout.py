@@ -1,0 +1,59 @@
+"""Rank discovery and parallel-layout validation (pure: no process group is created)."""
+
+import re
+
+import pytest
+
+from megatron_rlhf.distributed.launch import discover_rank, first_slurm_host
+from megatron_rlhf.distributed.layout import ModelShape, ParallelLayout
+from megatron_rlhf.errors import UserError
+
+SHAPE = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=250)
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("node1", "node1"),
+    ("gpu[003-010,012]", "gpu003"),
+    ("gpu[7,9],cpu1", "gpu7"),
+    ("a-b-01,a-b-02", "a-b-01"),
+])
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+def test_torchrun_variables_win():
+    info = discover_rank({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                          "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port,
+            info.source) == (3, 8, 1, "h", 1234, "torchrun")
+
+
+def test_slurm_variables():
+    info = discover_rank({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                          "SLURM_JOB_NODELIST": "dgx[01-02]", "SLURM_JOB_ID": "4242"})
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.source) == (
+        5, 16, 5, "dgx01", "slurm")
+    assert info.master_port == 20000 + 4242
+
+
+def test_single_process_default():
+    info = discover_rank({})
+    assert (info.rank, info.world_size, info.source) == (0, 1, "single")
+
+
+def test_resolve_fills_dp():
+    assert ParallelLayout(tp=2, pp=2).resolve(8, SHAPE) == ParallelLayout(tp=2, pp=2, dp=2, ep=1)
+
+
+@pytest.mark.parametrize("layout, world, message", [
+    (ParallelLayout(tp=3), 6, "attention heads (8) are not divisible by tp=3"),
+    (ParallelLayout(tp=4), 4, "key/value heads (2) are not divisible by tp=4"),
+    (ParallelLayout(pp=3), 3, "layers (4) are not divisible by pp=3"),
+    (ParallelLayout(tp=2, pp=2), 6, "world size 6 is not divisible by tp*pp = 2*2 = 4"),
+    (ParallelLayout(tp=2, dp=3), 4, "dp=3 but world size 4"),
+    (ParallelLayout(tp=0), 1, "tp=0 must be >= 1"),
+    (ParallelLayout(ep=2), 2, "ep=2 needs a mixture-of-experts model"),
+])
+def test_invalid_layouts_name_the_problem(layout, world, message):
+    with pytest.raises(UserError, match=re.escape("parallel layout: " + message)):
+        layout.resolve(world, SHAPE)

@@ -1,0 +1,72 @@
+"""The CPU platform layer: bridges megatron-core's CUDA assumptions, and only when CUDA is absent."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_rlhf.distributed import platform
+
+
+@pytest.fixture
+def fresh_platform():
+    platform.remove_platform()
+    yield
+    platform.remove_platform()
+
+
+def test_noop_when_cuda_is_available(fresh_platform):
+    originals = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state,
+                 torch.cuda.manual_seed)
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_originals = (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state)
+    with mock.patch.object(torch.cuda, "is_available", return_value=True):
+        assert platform.apply_platform() is False
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state,
+            torch.cuda.manual_seed) == originals
+    assert (mcore_random._get_cuda_rng_state, mcore_random._set_cuda_rng_state) == mcore_originals
+    assert not isinstance(torch.overrides._get_current_function_mode(), platform.CudaToCpuMode)
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.empty(2, device="cuda")  # untouched: CUDA requests still go to CUDA
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_cuda_requests_become_cpu(fresh_platform):
+    assert platform.apply_platform() is True
+    assert platform.apply_platform() is True  # idempotent
+    assert torch.empty(3, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.ones(2).cuda().device.type == "cpu"
+    assert torch.ones(2).to("cuda").device.type == "cpu"
+    assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_megatron_rng_tracker_forks_cpu_generator(fresh_platform):
+    platform.apply_platform()
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    tracker = mcore_random.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("test-rng", 123)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    with tracker.fork("test-rng"):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # default stream restored
+    with tracker.fork("test-rng"):
+        second = torch.rand(3)
+    assert not torch.equal(first, second)  # the tracked stream advanced
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(3), first)  # and it is the seeded CPU generator
+    tracker.reset()
+
+
+def test_remove_restores_everything(fresh_platform):
+    original = torch.cuda.current_device
+    if platform.apply_platform():
+        assert torch.cuda.current_device is not original
+    platform.remove_platform()
+    assert torch.cuda.current_device is original
