@@ -125,3 +125,14 @@ def test_cli_error_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"error: missing config.json in {tmp_path / 'absent'}"
+
+
+def test_tools_script_converts(tiny_models, tmp_path):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+    proc = subprocess.run([sys.executable, str(script), "hf-to-mcore", "--hf-dir",
+                           str(tiny_models["qwen2_policy"]), "--out-dir", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "m" / "megatron_rlhf.json").is_file()

@@ -149,17 +149,23 @@ def test_score_rm_sbatch_matches_single_process(slurm_env, tmp_path):
     assert "ranks=2 tp=2" in convert_log
     assert (mcore_dir / "model").is_dir(), convert_log
 
-    score_env = dict(env, MODEL_DIR=str(mcore_dir), DATA=str(data), OUTPUT=str(output),
-                     MICRO_BATCH_SIZE="2")
-    score_log = _sbatch(SLURM_DIR / "score_rm.sbatch", node, score_env, tmp_path / "score.out")
-    assert "ranks=2" in score_log and "tp=2" in score_log
-
-    single = subprocess.run(
+    # The single-process reference runs while the job does: both are mostly start-up time.
+    single = subprocess.Popen(
         [sys.executable, "-m", "megatron_rlhf.cli", "score-rm", "--model-dir", str(mcore_dir),
          "--data", str(data), "--output", str(reference)],
-        capture_output=True, text=True, cwd=REPO, timeout=JOB_TIMEOUT_S,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
         env={k: v for k, v in env.items() if k not in ("TP", "PP")})
-    assert single.returncode == 0, single.stdout + single.stderr
+    try:
+        score_env = dict(env, MODEL_DIR=str(mcore_dir), DATA=str(data), OUTPUT=str(output),
+                         MICRO_BATCH_SIZE="2")
+        score_log = _sbatch(SLURM_DIR / "score_rm.sbatch", node, score_env, tmp_path / "score.out")
+        single_out, _ = single.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        if single.poll() is None:
+            single.kill()
+            single.wait()
+    assert "ranks=2" in score_log and "tp=2" in score_log
+    assert single.returncode == 0, single_out
 
     got, want = pq.read_table(output).to_pydict(), pq.read_table(reference).to_pydict()
     for column in ("prompt", "chosen", "rejected"):
