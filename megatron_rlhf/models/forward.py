@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.data.packing import pad_to_common_shape
 from megatron_rlhf.distributed.platform import device
 
 
@@ -22,57 +23,69 @@ def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return tokens, lengths
 
 
-@torch.no_grad()
-def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str, torch.Tensor]],
-                     head: Callable[[torch.Tensor, dict], Any]) -> list[Any]:
-    """Run every micro-batch through all pipeline stages, forward only.
+def model_forward(model, batch: dict) -> torch.Tensor:
+    """Run one stage of ``model`` on ``batch`` (``input_ids [b, t]``, optional ``attention_mask``).
 
-    Each micro-batch holds ``input_ids [b, t]``. ``head(output, batch)`` runs on the last stage
-    with the model's output ``[b, t, V_local]`` (policy; vocab-parallel) or ``[b, t, 1]`` (value).
-    Returns the heads' results in micro-batch order on the last stage, ``[]`` on other stages.
+    Positions are 0..t-1 for every row; for packed rows that is fine because RoPE attention only
+    sees relative positions within a sequence.
     """
+    tokens = batch["input_ids"].to(device())
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    mask = batch.get("attention_mask")
+    return model(tokens, positions, attention_mask=None if mask is None else mask.to(device()))
+
+
+def run_schedule(model, groups: ParallelGroups, micro_batches: list[dict], forward_step,
+                 forward_only: bool) -> list:
+    """Megatron's pipeline schedule for ``groups``' layout over ``micro_batches`` (one shape if PP>1)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if not micro_batches:
-        return []
-    model.eval()
-
-    # Pipeline stages exchange fixed-shape activations: right-pad every micro-batch to one
-    # [rows, length] (harmless for a causal model); heads only see the real rows.
-    seq_length = max(b["input_ids"].shape[1] for b in micro_batches)
-    micro_batch_size = max(b["input_ids"].shape[0] for b in micro_batches)
-
-    def forward_step(data_iterator, stage_model):
-        batch = next(data_iterator)
-        rows, length = batch["input_ids"].shape
-        tokens = torch.nn.functional.pad(
-            batch["input_ids"], (0, seq_length - length, 0, micro_batch_size - rows)).to(device())
-        positions = torch.arange(seq_length, device=tokens.device).expand_as(tokens)
-        output = stage_model(tokens, positions, attention_mask=None)
-
-        def collect(output_tensor, non_loss_data=True):
-            return head(output_tensor[:rows, :length], batch)
-
-        return output, collect
-
-    schedule = get_forward_backward_func(pp_size=groups.layout.pp)
     extra = {}
     if groups.layout.pp > 1:
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
         extra["p2p_communicator"] = P2PCommunicator(groups.pp, model.config)
-    results = schedule(
+    return get_forward_backward_func(pp_size=groups.layout.pp)(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=True,
-        collect_non_loss_data=True,
+        seq_length=max(b["input_ids"].shape[1] for b in micro_batches),
+        micro_batch_size=max(b["input_ids"].shape[0] for b in micro_batches),
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
         pg_collection=groups.collection,
         **extra,
     )
+
+
+@torch.no_grad()
+def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str, torch.Tensor]],
+                     head: Callable[[torch.Tensor, dict], Any]) -> list[Any]:
+    """Run every micro-batch through all pipeline stages, forward only.
+
+    Each micro-batch holds ``input_ids [b, t]`` and optionally ``attention_mask [b, 1, t, t]``.
+    ``head(output, batch)`` runs on the last stage with the model's output ``[b, t, V_local]``
+    (policy; vocab-parallel) or ``[b, t, 1]`` (value), cut back to the batch's real shape.
+    Returns the heads' results in micro-batch order on the last stage, ``[]`` on other stages.
+    """
+    if not micro_batches:
+        return []
+    model.eval()
+    if groups.layout.pp > 1:
+        micro_batches = pad_to_common_shape(micro_batches)
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        output = model_forward(stage_model, batch)
+
+        def collect(output_tensor, non_loss_data=True):
+            rows, length = batch.get("real_shape", batch["input_ids"].shape)
+            return head(output_tensor[:rows, :length], batch)
+
+        return output, collect
+
+    results = run_schedule(model, groups, micro_batches, forward_step, forward_only=True)
     return list(results) if groups.is_last_stage else []
 
 

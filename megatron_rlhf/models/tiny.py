@@ -26,7 +26,10 @@ def train_tokenizer(texts: list[str], out_dir: str | os.PathLike, vocab_size: in
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits split one per token, as Llama 3 and Qwen2 do: arithmetic stays learnable.
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -76,3 +79,15 @@ def make_tiny_model(config, out_dir: str | os.PathLike | None = None, seed: int 
     if out_dir is not None:
         model.save_pretrained(Path(out_dir))
     return model
+
+
+def make_tiny_base(out_dir: str | os.PathLike, texts: list[str], vocab_size: int = 400,
+                   num_layers: int = 4, hidden_size: int = 128, seed: int = 0) -> Path:
+    """A random tiny Qwen2 causal LM with a tokenizer trained on ``texts``: the demo's base model."""
+    out = Path(out_dir)
+    tokenizer = train_tokenizer(texts, out, vocab_size=vocab_size)
+    config = tiny_config("qwen2", "policy", vocab_size=len(tokenizer), num_layers=num_layers,
+                         hidden_size=hidden_size, pad_token_id=tokenizer.pad_token_id)
+    config.eos_token_id = tokenizer.eos_token_id
+    make_tiny_model(config, out, seed=seed)
+    return out

@@ -1,0 +1,104 @@
+"""Training checkpoints: model + optimizer + scheduler + data position + RNG, saved atomically.
+
+``RUN/checkpoints/step_00000042/`` is a complete model checkpoint (see :mod:`model_ckpt`, so
+``megatron-rlhf convert mcore-to-hf`` exports it) plus ``trainer_state.json`` and per-rank RNG
+states. It is written as ``step_00000042.partial`` and renamed only when every rank has finished;
+the metadata file is written last, so a folder without it is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype_name
+from megatron_rlhf.trainers.engine import Trainable
+
+PREFIX = "step_"
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+             and not p.name.endswith(".partial") and (p / META_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": np.random.get_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(trainable: Trainable, loading: bool) -> dict:
+    model_state = trainable.module.sharded_state_dict()
+    return {"model": model_state,
+            "optimizer": trainable.optimizer.sharded_state_dict(model_state, is_loading=loading)}
+
+
+def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainable, meta: dict,
+                          hf_config, tokenizer, trainer_state: dict, keep_last_n: int) -> Path:
+    """Collective save of everything needed to resume at ``step``; prunes to ``keep_last_n``."""
+    from megatron.core import dist_checkpointing
+
+    out = Path(root) / f"{PREFIX}{step:08d}"
+    partial = out.with_name(out.name + ".partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        (partial / "model").mkdir(parents=True)
+        (partial / "rng").mkdir()
+        hf_config.save_pretrained(partial / "hf")
+        tokenizer.save_pretrained(partial / "hf")
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(trainable, loading=False), str(partial / "model"))
+    torch.save(_rng_state(), partial / "rng" / f"rank_{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        state = {**trainer_state, "scheduler": trainable.scheduler.state_dict()}
+        (partial / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        full_meta = {"format_version": FORMAT_VERSION, **meta,
+                     "dtype": dtype_name(trainable.module.config.params_dtype)}
+        (partial / META_FILE).write_text(json.dumps(full_meta, indent=2))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(partial, out)
+        for old in complete_checkpoints(root)[:-keep_last_n]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return out
+
+
+def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    loaded = dist_checkpointing.load(_sharded_state(trainable, loading=True), str(path / "model"))
+    trainable.module.load_state_dict(loaded["model"])
+    trainable.optimizer.load_state_dict(loaded["optimizer"])
+    state = json.loads((path / "trainer_state.json").read_text())
+    trainable.scheduler.load_state_dict(state.pop("scheduler"))
+    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rng_file.is_file():  # absent when resuming on a different world size
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return state

@@ -1,0 +1,93 @@
+"""Load, merge (defaults <- YAML <- ``key=value``), validate: the only place batch arithmetic happens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_rlhf.config.schema import RMConfig
+from megatron_rlhf.errors import UserError
+
+T = TypeVar("T")
+
+
+def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) -> T:
+    """Merge ``yaml_path`` and ``overrides`` onto ``schema``'s defaults; errors name the key."""
+    try:
+        merged = OmegaConf.structured(schema)
+        if yaml_path is not None:
+            if not Path(yaml_path).is_file():
+                raise UserError(f"config file not found: {yaml_path}")
+            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+        bad = [item for item in overrides if "=" not in item]
+        if bad:
+            raise UserError(f"override {bad[0]!r} is not of the form key=value")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise UserError(f"config: missing required value for {missing[0]}")
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise UserError(f"config: {where}{str(err).splitlines()[0]}") from None
+
+
+def to_yaml(config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's pairs are split over ranks and micro-batches."""
+
+    pairs_per_step: int  # global
+    pairs_per_rank_step: int  # per data-parallel rank
+    micro_batch_pairs: int  # per rank, per forward/backward
+    micro_batches_per_step: int  # per rank (gradient accumulation)
+
+
+def batch_plan(train_batch_size: int, micro_batch_size_per_rank: int, dp: int) -> BatchPlan:
+    if train_batch_size % dp:
+        raise UserError(f"config: data.train_batch_size={train_batch_size} pairs is not divisible "
+                        f"by the data-parallel size {dp}")
+    per_rank = train_batch_size // dp
+    if per_rank % micro_batch_size_per_rank:
+        raise UserError(f"config: data.train_batch_size / dp = {per_rank} pairs per rank is not "
+                        f"divisible by data.micro_batch_size_per_rank={micro_batch_size_per_rank}")
+    return BatchPlan(train_batch_size, per_rank, micro_batch_size_per_rank,
+                     per_rank // micro_batch_size_per_rank)
+
+
+def _positive(name: str, value) -> None:
+    if value <= 0:
+        raise UserError(f"config: {name}={value} must be positive")
+
+
+def validate_rm_config(config: RMConfig) -> RMConfig:
+    """Checks that need no process group; the DP-dependent ones live in :func:`batch_plan`."""
+    data, optim, trainer = config.data, config.optim, config.trainer
+    if not data.train_files:
+        raise UserError("config: data.train_files is empty")
+    for name in ("max_prompt_length", "max_response_length", "train_batch_size",
+                 "micro_batch_size_per_rank"):
+        _positive(f"data.{name}", getattr(data, name))
+    _positive("optim.lr", optim.lr)
+    _positive("trainer.total_epochs", trainer.total_epochs)
+    _positive("trainer.keep_last_n", trainer.keep_last_n)
+    choices = {"data.overlong": (data.overlong, ("truncate", "drop")),
+               "trainer.logger": (trainer.logger, ("tensorboard", "console")),
+               "trainer.resume": (trainer.resume, ("auto", "disable")),
+               "model.dtype": (config.model.dtype, ("auto", "float32", "bfloat16"))}
+    for name, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise UserError(f"config: {name}={value!r} must be one of {', '.join(allowed)}")
+    if not 0 <= optim.warmup_steps_ratio < 1:
+        raise UserError(f"config: optim.warmup_steps_ratio={optim.warmup_steps_ratio} must be in [0, 1)")
+    if optim.min_lr > optim.lr:
+        raise UserError(f"config: optim.min_lr={optim.min_lr} exceeds optim.lr={optim.lr}")
+    return config

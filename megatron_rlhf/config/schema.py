@@ -1,0 +1,112 @@
+"""The typed config tree (dataclasses). Every field says its unit and scope.
+
+YAML files under ``configs/`` and ``key=value`` overrides are merged onto these defaults by
+:mod:`megatron_rlhf.config.loader`, which also validates the result once, at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    path: str = "???"
+    """HF folder (``*ForCausalLM`` to start a reward model from an LM, or
+    ``*ForSequenceClassification``) or a megatron_rlhf checkpoint folder."""
+    dtype: str = "auto"
+    """Parameter dtype: ``auto`` (float32 on CPU, bfloat16 on GPU), float32, bfloat16."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size. Data-parallel size is whatever the world size leaves."""
+
+
+@dataclass
+class PreferenceDataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files with ``prompt``, ``chosen``, ``rejected`` (strings or chat message lists)."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out Parquet files, same layout; validation runs every ``trainer.eval_every_steps``."""
+    max_prompt_length: int = 512
+    """Longest prompt, in tokens (after the chat template)."""
+    max_response_length: int = 512
+    """Longest response, in tokens."""
+    overlong: str = "truncate"
+    """Pairs over a limit: ``truncate`` (keep the prompt's end and the response's start) or ``drop``."""
+    train_batch_size: int = 64
+    """Preference pairs per optimizer step, global (summed over data-parallel ranks)."""
+    micro_batch_size_per_rank: int = 8
+    """Preference pairs per forward/backward pass on one data-parallel rank."""
+    use_remove_padding: bool = True
+    """Pack sequences into rows of ``max_prompt_length + max_response_length`` tokens instead of
+    padding each to the longest: no compute is spent on padding tokens."""
+    shuffle: bool = True
+    """Reshuffle the training pairs every epoch (seeded by ``trainer.seed`` and the epoch)."""
+    margin_column: Optional[str] = None
+    """Optional float column holding each pair's required reward margin."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps_ratio: float = 0.03
+    """Fraction of the total optimizer steps spent warming up linearly from 0."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+
+
+@dataclass
+class RMLossConfig:
+    center_coef: float = 0.0
+    """Weight of the reward-centering term ``(r_c + r_r)^2``."""
+
+
+@dataclass
+class RMTrainerConfig:
+    total_epochs: int = 1
+    """Passes over the training pairs."""
+    output_dir: str = "runs/rm"
+    """Run folder: checkpoints/, tensorboard/, and the final model."""
+    logger: str = "tensorboard"
+    """``tensorboard`` (logs under ``output_dir/tensorboard``) or ``console``."""
+    resume: str = "auto"
+    """``auto``: continue from the newest complete checkpoint in ``output_dir``; ``disable``."""
+    save_every_steps: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last_n: int = 2
+    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    eval_every_steps: int = 0
+    """Validate every N optimizer steps (0: only at the end)."""
+    log_every_steps: int = 1
+    """Progress line and scalars every N optimizer steps."""
+    seed: int = 1
+    """Seed for data order, head initialisation and RNG trackers."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: run all epochs)."""
+
+
+@dataclass
+class RMConfig:
+    """``megatron-rlhf train-rm``: a Bradley-Terry reward model."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: RMLossConfig = field(default_factory=RMLossConfig)
+    trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)

@@ -1,0 +1,96 @@
+"""Sequence packing: several sequences share one row, separated by a block-diagonal causal mask.
+
+Packing removes the compute that padding to the longest sequence costs in every projection and
+MLP. RoPE needs no per-sequence position reset: attention depends only on relative positions,
+which a constant offset inside a row does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedBatch:
+    """Rows of tokens and where each input sequence ended up.
+
+    ``input_ids [R, L]``; ``attention_mask [R, 1, L, L]`` bool, True = may not attend (None means
+    plain causal, one sequence per row); ``last_index [N, 2]`` (row, position) of each sequence's
+    last token, in input order; ``num_tokens`` real (non-padding) tokens.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    last_index: torch.Tensor
+    num_tokens: int
+
+
+def _assign_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit in input order (deterministic): row -> sequence indices."""
+    rows, free = [], []
+    for index, length in enumerate(lengths):
+        for row, room in enumerate(free):
+            if length <= room:
+                rows[row].append(index)
+                free[row] -= length
+                break
+        else:
+            rows.append([index])
+            free.append(capacity - length)
+    return rows
+
+
+def pack_sequences(sequences: list[list[int]], row_capacity: int, pad_id: int,
+                   remove_padding: bool = True) -> PackedBatch:
+    """Pack (``remove_padding``) or right-pad (one per row) ``sequences`` into a batch."""
+    lengths = [len(s) for s in sequences]
+    if max(lengths) > row_capacity:
+        raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the row capacity {row_capacity}")
+    rows = _assign_rows(lengths, row_capacity) if remove_padding else [[i] for i in range(len(lengths))]
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    last_index = torch.zeros(len(sequences), 2, dtype=torch.long)
+    for row, members in enumerate(rows):
+        offset = 0
+        for index in members:
+            n = lengths[index]
+            tokens[row, offset:offset + n] = torch.tensor(sequences[index], dtype=torch.long)
+            segments[row, offset:offset + n] = index
+            last_index[index] = torch.tensor([row, offset + n - 1])
+            offset += n
+    mask = None
+    if remove_padding:
+        same = segments[:, :, None] == segments[:, None, :]
+        causal = torch.ones(width, width, dtype=torch.bool).tril()
+        mask = ~(same & causal & (segments[:, :, None] >= 0))
+        mask = mask.unsqueeze(1)
+    return PackedBatch(tokens, mask, last_index, sum(lengths))
+
+
+def pad_batch(batch: dict, rows: int, length: int, pad_id: int = 0) -> dict:
+    """Grow ``input_ids [R, L]`` (and ``attention_mask``) to ``[rows, length]``.
+
+    Pipeline stages exchange fixed-shape activations, so every micro-batch of a schedule gets one
+    shape. New positions are padding: fully masked when a mask exists, after the real tokens of a
+    causal row otherwise, so no real token's output changes.
+    """
+    tokens = batch["input_ids"]
+    extra_rows, extra_cols = rows - tokens.shape[0], length - tokens.shape[1]
+    if not extra_rows and not extra_cols:
+        return batch
+    padded = dict(batch, real_shape=tuple(tokens.shape))
+    padded["input_ids"] = torch.nn.functional.pad(tokens, (0, extra_cols, 0, extra_rows), value=pad_id)
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        padded["attention_mask"] = torch.nn.functional.pad(
+            mask, (0, extra_cols, 0, extra_cols, 0, 0, 0, extra_rows), value=True)
+    return padded
+
+
+def pad_to_common_shape(batches: list[dict], pad_id: int = 0) -> list[dict]:
+    rows = max(b["input_ids"].shape[0] for b in batches)
+    length = max(b["input_ids"].shape[1] for b in batches)
+    return [pad_batch(b, rows, length, pad_id) for b in batches]

@@ -1,0 +1,72 @@
+"""The bundled verifiable task: two-number addition, with a rule that checks any answer.
+
+Seeded and self-contained, it supplies (a) PPO prompts with a ``ground_truth`` column, (b)
+preference pairs whose ``chosen`` is correct and ``rejected`` plausibly wrong (one digit off, a
+dropped carry, an off-by-one), and (c) SFT prompt/response pairs. The checker is the rule-based
+reward for PPO and the oracle for evaluation.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+ANSWER = re.compile(r"answer is (-?\d+)")
+
+
+@dataclass(frozen=True)
+class AdditionTask:
+    """Operands are drawn from ``[low, high]``."""
+
+    low: int = 0
+    high: int = 99
+
+    def sample(self, rng: random.Random) -> tuple[str, int]:
+        a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+        return f"What is {a} + {b}?", a + b
+
+
+def format_answer(value: int) -> str:
+    return f"The answer is {value}."
+
+
+def extract_answer(response: str) -> int | None:
+    match = ANSWER.search(response)
+    return int(match.group(1)) if match else None
+
+
+def check_answer(response: str, ground_truth: str | int) -> float:
+    """1.0 when ``response`` states the right number ("The answer is N"), else 0.0."""
+    return float(extract_answer(response) == int(ground_truth))
+
+
+def plausible_wrong(answer: int, rng: random.Random) -> int:
+    """A near miss: one digit changed, a carry dropped or added, or off by one."""
+    kind = rng.choice(("digit", "carry", "off_by_one"))
+    if kind == "digit":
+        digits = list(str(answer))
+        position = rng.randrange(len(digits))
+        choices = [d for d in "0123456789" if d != digits[position]]
+        if position == 0 and len(digits) > 1:
+            choices = [d for d in choices if d != "0"]
+        digits[position] = rng.choice(choices)
+        wrong = int("".join(digits))
+    elif kind == "carry":
+        wrong = answer + rng.choice((-10, 10))
+    else:
+        wrong = answer + rng.choice((-1, 1))
+    return wrong if wrong >= 0 and wrong != answer else answer + 1
+
+
+def make_rows(task: AdditionTask, count: int, seed: int) -> dict[str, list]:
+    """``count`` rows: prompt, ground_truth, chosen (correct), rejected (near miss), response."""
+    rng = random.Random(seed)
+    rows = {"prompt": [], "ground_truth": [], "chosen": [], "rejected": []}
+    for _ in range(count):
+        prompt, answer = task.sample(rng)
+        rows["prompt"].append(prompt)
+        rows["ground_truth"].append(str(answer))
+        rows["chosen"].append(format_answer(answer))
+        rows["rejected"].append(format_answer(plausible_wrong(answer, rng)))
+    return rows

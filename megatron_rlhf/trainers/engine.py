@@ -1,0 +1,121 @@
+"""Training machinery shared by every trainer: Megatron DDP, optimizer, LR schedule, one step.
+
+Trainers bring a model, micro-batches and a loss function; this module owns how gradients are
+accumulated over micro-batches, reduced over data-parallel ranks (megatron DDP), clipped and
+applied (megatron optimizer) under any TP/PP layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config.schema import OptimConfig
+from megatron_rlhf.data.packing import pad_to_common_shape
+from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.distributed.platform import device
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.forward import model_forward, run_schedule
+
+
+@dataclass
+class Trainable:
+    """A model wrapped for training with its optimizer and LR scheduler."""
+
+    model: Any  # megatron DistributedDataParallel
+    optimizer: Any  # megatron MegatronOptimizer
+    scheduler: Any  # megatron OptimizerParamScheduler
+    groups: ParallelGroups
+
+    @property
+    def module(self):
+        return self.model.module
+
+
+def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_steps: int) -> Trainable:
+    """Wrap ``model`` in megatron DDP and build Adam + warm-up/cosine schedule over ``total_steps``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = model.config
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, check_for_nan_in_grad=False),
+        model,
+        pg_collection=groups.collection,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
+                        weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
+                        adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
+                        bf16=config.bf16, params_dtype=config.params_dtype),
+        [ddp],
+        use_gloo_process_groups=False,
+        pg_collection=groups.collection,
+    )
+    warmup = int(optim.warmup_steps_ratio * total_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style="cosine",
+        start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant")
+    config.no_sync_func = ddp.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return Trainable(ddp, optimizer, scheduler, groups)
+
+
+@dataclass
+class StepResult:
+    metrics: list[dict]  # per micro-batch, last pipeline stage only ([] elsewhere)
+    grad_norm: float
+    lr: float
+
+
+def train_step(trainable: Trainable, micro_batches: list[dict],
+               loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]) -> StepResult:
+    """One optimizer step over ``micro_batches`` (this rank's share of the global batch).
+
+    ``loss_fn(output, batch)`` gets the last stage's output (``[b, t, ...]``, padded rows included
+    when PP > 1) and returns the micro-batch's mean loss and a dict of metric sums. Megatron averages the loss over micro-batches
+    and DDP averages gradients over data-parallel ranks.
+    """
+    model, groups = trainable.model, trainable.groups
+    model.train()
+    model.zero_grad_buffer()
+    trainable.optimizer.zero_grad()
+    if groups.layout.pp > 1:
+        micro_batches = pad_to_common_shape(micro_batches)
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        return model_forward(stage_model, batch), lambda output: loss_fn(output, batch)
+
+    metrics = run_schedule(model, groups, micro_batches, forward_step, forward_only=False)
+    success, grad_norm, _ = trainable.optimizer.step()
+    if not success:
+        raise UserError("optimizer step skipped: gradients contain inf or NaN")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        raise UserError(f"gradient norm is {grad_norm}")
+    trainable.scheduler.step(increment=1)
+    lr = trainable.optimizer.param_groups[0]["lr"]
+    return StepResult(list(metrics) if groups.is_last_stage else [], float(grad_norm or 0.0), lr)
+
+
+def reduce_metrics(metrics: list[dict], groups: ParallelGroups, keys: list[str]) -> dict[str, float]:
+    """Sum per-micro-batch metric sums over micro-batches and the whole world; every rank gets them.
+
+    Only the last pipeline stage holds metrics, and its TP ranks hold identical copies.
+    """
+    values = torch.zeros(len(keys), dtype=torch.float64, device=device())
+    for entry in metrics:
+        values += torch.stack([entry[k].detach().double().to(device()) for k in keys])
+    dist.all_reduce(values)
+    values /= groups.layout.tp
+    return dict(zip(keys, values.tolist()))

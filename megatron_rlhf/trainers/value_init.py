@@ -1,0 +1,81 @@
+"""Where a value/reward model starts: an HF LM (new scalar head), an HF reward model, or a checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
+from megatron_rlhf.convert.checkpoints import read_hf_arch
+from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.convert.weights import load_hf_weights
+from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
+
+
+@dataclass(frozen=True)
+class ValueSource:
+    """A resolved ``model.path``: the value architecture and where its weights and files live."""
+
+    path: Path
+    arch: ModelArch
+    hf_dir: Path  # config + tokenizer
+    is_checkpoint: bool
+    from_lm: bool  # an LM: the scalar head starts fresh
+    padded_vocab: int
+
+
+def resolve_value_source(path: str, layout: ParallelLayout) -> ValueSource:
+    root = Path(path)
+    if (root / META_FILE).is_file():
+        info = read_checkpoint_info(root)
+        if info.arch.kind != "value":
+            raise UserError(f"{root} holds a {info.arch.kind} checkpoint; start a reward model from "
+                            "its Hugging Face folder or a value checkpoint")
+        return ValueSource(root, info.arch, info.hf_dir, True, False, info.padded_vocab)
+    arch = read_hf_arch(root)
+    from_lm = arch.kind == "policy"
+    value_arch = dataclasses.replace(arch, kind="value", tie_word_embeddings=False)
+    return ValueSource(root, value_arch, root, False, from_lm,
+                       padded_vocab_size(arch.vocab_size, layout.tp))
+
+
+def build_value_model(source: ValueSource, groups: ParallelGroups, dtype: torch.dtype, seed: int):
+    """This rank's stage of the value model, with weights from ``source``."""
+    if source.is_checkpoint:
+        return load_model_checkpoint(read_checkpoint_info(source.path), groups)
+    model = build_model(source.arch, groups, dtype, source.padded_vocab)
+    skip, unused = (), ()
+    if source.from_lm:
+        skip = ("output_layer.weight",)
+        unused = ("lm_head.weight",)
+        if groups.is_last_stage:
+            # The same seed on every rank: the head is replicated across TP ranks.
+            generator = torch.Generator().manual_seed(seed)
+            std = 1.0 / math.sqrt(source.arch.hidden_size + 1)
+            head = model.output_layer.weight
+            with torch.no_grad():
+                head.copy_(torch.randn(head.shape, generator=generator) * std)
+    load_hf_weights(model, HFReader(source.hf_dir), source.arch, groups, source.padded_vocab,
+                    progress=False, skip=skip, unused_ok=unused)
+    return model
+
+
+def reward_model_hf_config(source: ValueSource, pad_token_id: int | None):
+    """The HF config a trained reward model is exported with: ``*ForSequenceClassification``."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.hf_dir, local_files_only=True)
+    family = config.architectures[0].split("For")[0]
+    config.architectures = [f"{family}ForSequenceClassification"]
+    config.num_labels = 1
+    config.tie_word_embeddings = False
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    return config
