@@ -104,6 +104,8 @@ def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups):
     from megatron.core import dist_checkpointing
 
     model = build_model(info.arch, groups, info.dtype, info.padded_vocab)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(info.path / "model"))
-    model.load_state_dict(state)
+    wanted = model.sharded_state_dict()
+    state = dist_checkpointing.load(wanted, str(info.path / "model"))
+    # Training checkpoints also hold optimizer state; only the model's entries are wanted here.
+    model.load_state_dict({key: state[key] for key in wanted})
     return model

@@ -7,16 +7,16 @@ from pathlib import Path
 import pyarrow as pa
 
 from megatron_rlhf.data.parquet import write_table_atomic
-from megatron_rlhf.data.tasks import AdditionTask, make_rows
+from megatron_rlhf.data.tasks import AdditionTask, make_rows, split_operands
 
 
-def write_task_files(out_dir: str, train: int, val: int, seed: int = 0, high: int = 99) -> list[Path]:
-    task = AdditionTask(high=high)
+def write_task_files(out_dir: str, train: int, val: int, seed: int = 0, high: int = 99,
+                     val_fraction: float = 0.1) -> list[Path]:
+    """Train and validation rows from disjoint question sets (``val_fraction`` held out)."""
+    train_ops, val_ops = split_operands(AdditionTask(high=high), val_fraction, seed)
     out = Path(out_dir)
-    splits = {"train": make_rows(task, train, seed), "val": make_rows(task, val, seed + 1)}
-    seen = set(splits["train"]["prompt"])
-    keep = [i for i, p in enumerate(splits["val"]["prompt"]) if p not in seen]
-    splits["val"] = {k: [v[i] for i in keep] for k, v in splits["val"].items()}
+    splits = {"train": make_rows(train_ops, train, seed + 1),
+              "val": make_rows(val_ops, val, seed + 2)}
     paths = []
     for split, rows in splits.items():
         files = {

@@ -22,8 +22,11 @@ class AdditionTask:
     low: int = 0
     high: int = 99
 
-    def sample(self, rng: random.Random) -> tuple[str, int]:
-        a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
+    def operand_pairs(self) -> list[tuple[int, int]]:
+        return [(a, b) for a in range(self.low, self.high + 1) for b in range(self.low, self.high + 1)]
+
+    @staticmethod
+    def question(a: int, b: int) -> tuple[str, int]:
         return f"What is {a} + {b}?", a + b
 
 
@@ -59,12 +62,20 @@ def plausible_wrong(answer: int, rng: random.Random) -> int:
     return wrong if wrong >= 0 and wrong != answer else answer + 1
 
 
-def make_rows(task: AdditionTask, count: int, seed: int) -> dict[str, list]:
-    """``count`` rows: prompt, ground_truth, chosen (correct), rejected (near miss), response."""
+def split_operands(task: AdditionTask, val_fraction: float, seed: int):
+    """Disjoint (train, validation) operand pairs: validation questions are never trained on."""
+    pairs = task.operand_pairs()
+    random.Random(seed).shuffle(pairs)
+    cut = max(1, int(len(pairs) * val_fraction))
+    return pairs[cut:], pairs[:cut]
+
+
+def make_rows(operands: list[tuple[int, int]], count: int, seed: int) -> dict[str, list]:
+    """``count`` rows drawn from ``operands``: prompt, ground_truth, chosen (correct), rejected."""
     rng = random.Random(seed)
     rows = {"prompt": [], "ground_truth": [], "chosen": [], "rejected": []}
     for _ in range(count):
-        prompt, answer = task.sample(rng)
+        prompt, answer = AdditionTask.question(*rng.choice(operands))
         rows["prompt"].append(prompt)
         rows["ground_truth"].append(str(answer))
         rows["chosen"].append(format_answer(answer))

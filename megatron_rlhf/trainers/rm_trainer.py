@@ -127,14 +127,14 @@ def _dtype(config: RMConfig) -> torch.dtype:
 
 def _load_data(config: RMConfig, tokenizer) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
     data = config.data
-    args = (tokenizer, data.max_prompt_length, data.max_response_length, data.overlong,
-            data.margin_column)
-    train, report = load_pairs(data.train_files, tokenizer=args[0], max_prompt=args[1],
-                               max_response=args[2], overlong=args[3], margin_column=args[4])
+    limits = dict(tokenizer=tokenizer, max_prompt=data.max_prompt_length,
+                  max_response=data.max_response_length, overlong=data.overlong,
+                  margin_column=data.margin_column)
+    train, report = load_pairs(data.train_files, **limits)
     _log(f"[train-rm] train data: {report}")
     val = []
     if data.val_files:
-        val, val_report = load_pairs(data.val_files, *args)
+        val, val_report = load_pairs(data.val_files, **limits)
         _log(f"[train-rm] validation data: {val_report}")
     return train, val
 

@@ -1,0 +1,195 @@
+"""`megatron-rlhf train-rm`: layout parity, exact resume after kill -9, export, bad input."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from megatron_rlhf.cli import main
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from megatron_rlhf.data.task_files import write_task_files
+    from megatron_rlhf.models.tiny import make_tiny_base
+
+    root = tmp_path_factory.mktemp("rm")
+    write_task_files(str(root / "data"), train=400, val=48, seed=3, high=30)
+    table = pq.read_table(root / "data" / "sft_train.parquet")
+    texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
+                                         table.column("response").to_pylist())]
+    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
+    return root
+
+
+def overrides(root, out, steps=20, *extra):
+    return [f"model.path={root / 'base'}",
+            f"data.train_files=[{root / 'data' / 'prefs_train.parquet'}]",
+            f"data.val_files=[{root / 'data' / 'prefs_val.parquet'}]",
+            f"trainer.output_dir={out}", "data.train_batch_size=8",
+            "data.micro_batch_size_per_rank=4", "data.max_prompt_length=24",
+            "data.max_response_length=16", f"trainer.max_steps={steps}", "trainer.logger=console",
+            "trainer.log_every_steps=5", "optim.lr=1e-3", "trainer.keep_last_n=2", *extra]
+
+
+def run_cli(args, nproc=1, timeout=600):
+    command = [sys.executable, "-m", "megatron_rlhf.cli", "train-rm",
+               "--config", "configs/rm/tiny_cpu.yaml", *args]
+    if nproc > 1:
+        command += ["--nproc-per-node", str(nproc)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    return proc
+
+
+def losses(out):
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["train/loss"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    out = workspace / "runs" / "tp1"
+    proc = run_cli(overrides(workspace, out, 20, "trainer.save_every_steps=0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return losses(out)
+
+
+@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "dp2"])
+def test_layouts_reproduce_tp1_losses(workspace, reference, layout):
+    out = workspace / "runs" / layout.replace("=", "")
+    extra = [] if layout == "dp2" else [layout]
+    proc = run_cli(overrides(workspace, out, 20, "trainer.save_every_steps=0", *extra), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = losses(out)
+    assert len(got) == len(reference) == 20
+    gap = max(abs(a - b) for a, b in zip(got, reference))
+    print(f"{layout}: max |loss - loss(tp1)| over 20 steps = {gap:.2e}")
+    assert gap < 1e-4
+    assert reference[-1] < reference[0]  # it does learn
+
+
+def test_packing_matches_padding(workspace, reference):
+    out = workspace / "runs" / "padded"
+    proc = run_cli(overrides(workspace, out, 20, "trainer.save_every_steps=0",
+                             "data.use_remove_padding=false"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert max(abs(a - b) for a, b in zip(losses(out), reference)) < 1e-4
+
+
+def _final_weights(checkpoint, tmp_path):
+    hf = tmp_path / f"export_{checkpoint.parent.parent.name}"
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(checkpoint), "--out-dir", str(hf)]) == 0
+    from safetensors.torch import load_file
+
+    return hf, load_file(hf / "model.safetensors")
+
+
+def test_kill_9_and_resume_reproduces_uninterrupted_run(workspace, tmp_path):
+    steps = 12
+    straight = workspace / "runs" / "straight"
+    assert run_cli(overrides(workspace, straight, steps, "trainer.save_every_steps=3")).returncode == 0
+    killed = workspace / "runs" / "killed"
+    kill_at = random.Random(os.getpid()).randint(4, 10)
+    command = [sys.executable, "-m", "megatron_rlhf.cli", "train-rm", "--config",
+               "configs/rm/tiny_cpu.yaml", *overrides(workspace, killed, steps,
+                                                       "trainer.save_every_steps=3")]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_at:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    resumed = run_cli(overrides(workspace, killed, steps, "trainer.save_every_steps=3"))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout
+    assert losses(killed) == losses(straight)  # exactly, step by step
+    final = "step_00000012"
+    _, a = _final_weights(straight / "checkpoints" / final, tmp_path)
+    _, b = _final_weights(killed / "checkpoints" / final, tmp_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    kept = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    assert kept[-2:] == ["step_00000009", "step_00000012"] and len(
+        [k for k in kept if not k.endswith(".partial")]) == 2
+
+
+def test_exported_reward_model_scores_like_megatron(workspace, reference, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    checkpoint = workspace / "runs" / "tp1" / "checkpoints" / "step_00000020"
+    hf, _ = _final_weights(checkpoint, tmp_path)
+    scored = tmp_path / "scored.parquet"
+    data = workspace / "data" / "prefs_val.parquet"
+    assert main(["score-rm", "--model-dir", str(checkpoint), "--data", str(data),
+                 "--output", str(scored)]) == 0
+    from megatron_rlhf.data.chat import render_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    table = pq.read_table(scored).slice(0, 6).to_pylist()
+    with torch.no_grad():
+        for row in table:
+            ids = torch.tensor([render_pair(tokenizer, row["prompt"], row["chosen"])])
+            assert abs(model(ids).logits[0, 0].item() - row["chosen_reward"]) < 1e-5
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"prompt": ["a"], "chosen": ["b"]}, "missing column 'rejected'"),
+    ({"prompt": ["a", None], "chosen": ["b", "c"], "rejected": ["d", "e"]},
+     "column 'prompt' row 1 is null or empty"),
+    ({"prompt": [3], "chosen": ["b"], "rejected": ["d"]}, "column 'prompt' row 0 has type int"),
+    (b"garbage", "not a readable Parquet file"),
+])
+def test_bad_input_stops_before_training(workspace, tmp_path, bad, message):
+    path = tmp_path / "bad.parquet"
+    if isinstance(bad, bytes):
+        path.write_bytes(bad)
+    else:
+        pq.write_table(pa.table(bad), path)
+    out = tmp_path / "run"
+    proc = run_cli(overrides(workspace, out, 2) + [f"data.train_files=[{path}]"])
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}: ") and message in last
+    assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["data.train_batch_size=6"], "not divisible by data.micro_batch_size_per_rank=4"),
+    (["data.overlong=cut"], "data.overlong='cut' must be one of truncate, drop"),
+    (["optim.lrr=1"], "Key 'lrr' not in 'OptimConfig'"),
+])
+def test_bad_config_is_named(workspace, tmp_path, capsys, extra, message):
+    code = main(["train-rm", "--config", "configs/rm/tiny_cpu.yaml",
+                 *overrides(workspace, tmp_path / "run", 2), *extra])
+    assert code == 2 and message in capsys.readouterr().err
+
+
+def test_nan_loss_stops_without_touching_checkpoints(workspace, tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(overrides(workspace, out, 6, "optim.lr=1e30", "optim.warmup_steps_ratio=0",
+                             "trainer.save_every_steps=1", "optim.clip_grad=0"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert last.startswith("error: ") and ("nan" in last.lower() or "inf" in last.lower())
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert not [name for name in saved if name.endswith(".partial")]
+    from megatron_rlhf.checkpoint.model_ckpt import read_checkpoint_info
+
+    for name in saved:
+        read_checkpoint_info(out / "checkpoints" / name)  # each one complete and readable
