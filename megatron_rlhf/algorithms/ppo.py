@@ -1,0 +1,143 @@
+"""PPO losses, KL estimators and KL controllers. Pure tensor code: no process groups.
+
+Shapes: ``[B, T]`` per-token tensors with ``mask [B, T]`` (1 = trained token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlhf.algorithms.advantages import masked_mean
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a ``[B, T]`` loss to a scalar.
+
+    token-mean: mean over all valid tokens; seq-mean-token-sum: per-sequence sum, then mean over
+    sequences; seq-mean-token-mean: per-sequence mean, then mean over sequences.
+    """
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return masked_mean(loss, mask)
+    if mode == "seq-mean-token-sum":
+        return (loss * mask).sum(dim=1).mean()
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGG_MODES}")
+
+
+def kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi; ``[B, T] -> [B, T]``.
+
+    k1 = log r (unbiased, can be negative); abs = |log r|; k2/mse = (log r)^2 / 2;
+    k3/low_var_kl = 1/r - 1 + log r with r = pi / pi_ref (unbiased, >= 0; Schulman 2020),
+    clamped to [-10, 10] against exploding ratios.
+    """
+    log_ratio = logprob - ref_logprob
+    if kind == "k1":
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * log_ratio ** 2
+    if kind in ("k3", "low_var_kl"):
+        neg = (-log_ratio).clamp(min=-20.0, max=20.0)
+        return (torch.exp(neg) - neg - 1.0).clamp(min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; choose from {KL_ESTIMATORS}")
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor
+    clipfrac: torch.Tensor  # fraction of tokens where the clipped branch was taken
+    approx_kl: torch.Tensor  # mean of old_logprob - logprob
+    dual_clipfrac: torch.Tensor  # fraction where the dual clip bound was active
+
+
+def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                dual_clip: float | None = 3.0, agg_mode: str = "token-mean") -> PolicyLossOutput:
+    """PPO clipped surrogate with separate low/high ranges and dual clip (Ye et al. 2020).
+
+    ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` additionally
+    ``min(L, -A * dual_clip)``. All ``[B, T]``.
+    """
+    log_ratio = (logprob - old_logprob).clamp(min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    clip_used = (clipped > unclipped).to(loss.dtype)
+    dual_used = torch.zeros_like(loss)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual clip constant must exceed 1, got {dual_clip}")
+        bound = -advantages * dual_clip
+        dual_used = ((advantages < 0) & (loss > bound)).to(loss.dtype)
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return PolicyLossOutput(aggregate(loss, mask, agg_mode), masked_mean(clip_used, mask),
+                            masked_mean(-log_ratio, mask), masked_mean(dual_used, mask))
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               mask: torch.Tensor, cliprange_value: float | None = 0.5,
+               agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``; returns (loss, clipfrac)."""
+    unclipped = (values - returns) ** 2
+    if cliprange_value is None:
+        return 0.5 * aggregate(unclipped, mask, agg_mode), torch.zeros(())
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), mask, agg_mode)
+    return loss, masked_mean((clipped > unclipped).to(values.dtype), mask)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical over the last dim: ``[..., V] -> [...]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """``1 - Var(R - V) / Var(R)`` over masked positions (nan if returns are constant)."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return float(1.0 - var_residual / var_returns) if var_returns > 0 else math.nan
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        del current_kl, n_steps
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019: steer the coefficient so the measured KL tracks ``target``.
+
+    ``error = clip(KL / target - 1, -0.2, 0.2)``; ``coef *= 1 + error * n_steps / horizon``.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        super().__init__(init_kl_coef)
+        self.target, self.horizon = target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
