@@ -30,7 +30,7 @@ from datasets import Dataset
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
 from trl import RewardConfig, RewardTrainer
 import pyarrow.parquet as pq
-base, data, steps, batch, micro, threads, out = sys.argv[1:8]
+base, data, steps, batch, micro, threads, out, max_length = sys.argv[1:9]
 torch.set_num_threads(int(threads))
 tok = AutoTokenizer.from_pretrained(base)
 config = AutoConfig.from_pretrained(base)
@@ -43,9 +43,9 @@ ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
                          "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
 args = RewardConfig(output_dir=out, max_steps=int(steps), per_device_train_batch_size=int(micro),
                     gradient_accumulation_steps=int(batch) // int(micro), learning_rate=1e-3,
-                    lr_scheduler_type="cosine", warmup_ratio=0.05, logging_steps=10**9,
+                    lr_scheduler_type="cosine", warmup_steps=3, logging_steps=10**9,
                     save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
-                    max_length=64, seed=1, disable_tqdm=True, bf16=False)
+                    max_length=int(max_length), seed=1, disable_tqdm=True, bf16=False)
 trainer = RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
 tokens = [0]
 class Count(TrainerCallback):
@@ -64,7 +64,27 @@ json.dump({"pairs_per_s": pairs / elapsed, "tokens_per_s": tokens[0] / elapsed, 
 '''
 
 
-def prepare(root: Path) -> tuple[Path, Path]:
+WORDS = "the a model reward answer number question sum add plus value token".split()
+
+
+def with_context(path: Path, out: Path, seed: int = 0) -> Path:
+    """The same pairs, each prompt preceded by a context of heavy-tailed length (1-200 words),
+    the length profile of chat data: most prompts short, a few long."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    rows = pq.read_table(path).to_pylist()
+    for row in rows:
+        words = min(200, max(1, int(rng.lognormvariate(2.5, 1.0))))
+        row["prompt"] = " ".join(rng.choice(WORDS) for _ in range(words)) + ". " + row["prompt"]
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out
+
+
+def prepare(root: Path) -> tuple[Path, dict[str, Path]]:
     import pyarrow.parquet as pq
 
     from megatron_rlhf.data.task_files import write_task_files
@@ -74,17 +94,24 @@ def prepare(root: Path) -> tuple[Path, Path]:
     table = pq.read_table(root / "data" / "sft_train.parquet")
     texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
                                          table.column("response").to_pylist())]
+    texts += [" ".join(WORDS)] * 50
     make_tiny_base(root / "base", texts, hidden_size=128, num_layers=4)
-    return root / "base", root / "data" / "prefs_train.parquet"
+    uniform = root / "data" / "prefs_train.parquet"
+    return root / "base", {"uniform": uniform,
+                           "heavy-tailed": with_context(uniform, root / "data" / "ctx.parquet")}
 
 
-def run_ours(base, data, root, args) -> dict:
-    out = root / "ours"
+MAX_PROMPT = {"uniform": 24, "heavy-tailed": 256}  # tokens
+
+
+def run_ours(base, data, root, args, name) -> dict:
+    out = root / f"ours_{name}"
     command = [sys.executable, "-m", "megatron_rlhf.cli", "train-rm", "--config",
                str(ROOT / "configs/rm/tiny_cpu.yaml"), f"model.path={base}",
                f"data.train_files=[{data}]", "data.val_files=[]", f"trainer.output_dir={out}",
                f"trainer.max_steps={args.steps}", f"data.train_batch_size={args.batch}",
                f"data.micro_batch_size_per_rank={args.micro}", "trainer.logger=console",
+               f"data.max_prompt_length={MAX_PROMPT[name]}", "data.overlong=truncate",
                "trainer.save_every_steps=0", f"trainer.log_every_steps={args.steps}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(command, check=True, env=env, cwd=ROOT, capture_output=True)
@@ -93,29 +120,35 @@ def run_ours(base, data, root, args) -> dict:
             "tokens_per_s": last["throughput/tokens_per_s"]}
 
 
-def run_trl(base, data, root, args) -> dict:
-    out = root / "trl"
+def run_trl(base, data, root, args, name) -> dict:
+    out = root / f"trl_{name}"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
-    subprocess.run([sys.executable, "-c", TRL_RUN, str(base), str(data), str(args.steps),
-                    str(args.batch), str(args.micro), str(args.threads), str(out)],
-                   check=True, env=env, capture_output=True)
+    proc = subprocess.run([sys.executable, "-c", TRL_RUN, str(base), str(data), str(args.steps),
+                           str(args.batch), str(args.micro), str(args.threads), str(out),
+                           str(MAX_PROMPT[name] + 16)],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
     return json.loads((out / "result.json").read_text())
 
 
-def write_report(ours: dict, trl: dict, args) -> str:
-    ratio = ours["pairs_per_s"] / trl["pairs_per_s"]
+def write_report(results: dict, args) -> str:
     command = (f"python benchmarks/rm_throughput.py --steps {args.steps} --batch {args.batch} "
                f"--micro {args.micro} --threads {args.threads}")
     section = "\n".join([
         "## Reward-model training throughput vs TRL RewardTrainer (CPU)", "",
         f"Command: `{command}`", "",
         f"Tiny Qwen2 (4 layers, hidden 128), addition-task pairs, {args.batch} pairs/step in "
-        f"micro-batches of {args.micro}, {args.steps} steps, {args.threads} CPU threads, fp32.", "",
-        "| trainer | pairs/s | real tokens/s |", "|---|---|---|",
-        f"| megatron-rlhf train-rm (packed) | {ours['pairs_per_s']:.1f} | {ours['tokens_per_s']:.0f} |",
-        f"| TRL 1.16.0 RewardTrainer | {trl['pairs_per_s']:.1f} | {trl['tokens_per_s']:.0f} |",
-        f"| ratio | {ratio:.2f}x | {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x |", ""])
+        f"micro-batches of {args.micro}, {args.steps} steps, {args.threads} CPU threads, fp32. "
+        "`uniform`: the bundled task as is (all sequences ~20 tokens, so packing saves little); "
+        "`heavy-tailed`: the same pairs after a context of 1-200 words (lognormal), the length "
+        "profile of chat data. TRL pads each micro-batch to its longest sequence.", "",
+        "| data | megatron-rlhf pairs/s | TRL 1.16.0 pairs/s | ratio | megatron-rlhf tok/s | TRL tok/s |",
+        "|---|---|---|---|---|---|"] + [
+        f"| {name} | {ours['pairs_per_s']:.1f} | {trl['pairs_per_s']:.1f} | "
+        f"{ours['pairs_per_s'] / trl['pairs_per_s']:.2f}x | {ours['tokens_per_s']:.0f} | "
+        f"{trl['tokens_per_s']:.0f} |" for name, (ours, trl) in results.items()] + [""])
     doc = ROOT / "docs" / "benchmarks.md"
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n\nEvery number here was measured with the command shown.\n\n"
     start = text.find("## Reward-model training throughput")
@@ -136,10 +169,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base, data = prepare(root)
-        ours = run_ours(base, data, root, args)
-        trl = run_trl(base, data, root, args)
-    print(write_report(ours, trl, args))
+        base, datasets = prepare(root)
+        results = {name: (run_ours(base, data, root, args, name),
+                          run_trl(base, data, root, args, name))
+                   for name, data in datasets.items()}
+    print(write_report(results, args))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def test_mask_matches_loop():
         for i in range(5):
             for j in range(5):
                 allowed = segments[row][i] >= 0 and segments[row][i] == segments[row][j] and j <= i
+                allowed |= segments[row][i] < 0 and i == j  # padding sees only itself
                 assert mask[row, 0, i, j].item() == (not allowed)
 
 
@@ -35,8 +36,12 @@ def test_pad_batch_masks_new_positions():
     batch = pad_batch({"input_ids": packed.input_ids, "attention_mask": packed.attention_mask},
                       rows=2, length=5)
     assert batch["input_ids"].shape == (2, 5) and batch["real_shape"] == (1, 3)
-    assert batch["attention_mask"][:, :, 3:, :].all() and batch["attention_mask"][1].all()
-    assert torch.equal(batch["attention_mask"][:1, :, :3, :3], packed.attention_mask)
+    mask = batch["attention_mask"]
+    eye = torch.eye(5, dtype=torch.bool)
+    assert torch.equal(mask[1, 0], ~eye)  # a new row: every position sees only itself
+    assert torch.equal(mask[0, 0, 3:], ~eye[3:])  # new columns of the old row likewise
+    assert mask[0, 0, :3, 3:].all()  # real tokens never see padding
+    assert torch.equal(mask[:1, :, :3, :3], packed.attention_mask)
 
 
 def test_packed_attention_equals_separate_sequences():

@@ -65,8 +65,11 @@ def pack_sequences(sequences: list[list[int]], row_capacity: int, pad_id: int,
     if remove_padding:
         same = segments[:, :, None] == segments[:, None, :]
         causal = torch.ones(width, width, dtype=torch.bool).tril()
-        mask = ~(same & causal & (segments[:, :, None] >= 0))
-        mask = mask.unsqueeze(1)
+        allowed = same & causal & (segments[:, :, None] >= 0)
+        # Padding positions attend to themselves only: no row of the mask is empty, so fused
+        # attention kernels never produce NaN there (their outputs are never read).
+        allowed |= torch.eye(width, dtype=torch.bool) & (segments[:, :, None] < 0)
+        mask = (~allowed).unsqueeze(1)
     return PackedBatch(tokens, mask, last_index, sum(lengths))
 
 
@@ -85,8 +88,13 @@ def pad_batch(batch: dict, rows: int, length: int, pad_id: int = 0) -> dict:
     padded["input_ids"] = torch.nn.functional.pad(tokens, (0, extra_cols, 0, extra_rows), value=pad_id)
     mask = batch.get("attention_mask")
     if mask is not None:
-        padded["attention_mask"] = torch.nn.functional.pad(
-            mask, (0, extra_cols, 0, extra_cols, 0, 0, 0, extra_rows), value=True)
+        mask = torch.nn.functional.pad(mask, (0, extra_cols, 0, extra_cols, 0, 0, 0, extra_rows),
+                                       value=True)
+        new = torch.ones(rows, 1, length, dtype=torch.bool)
+        new[: tokens.shape[0], :, : tokens.shape[1]] = False
+        # New padding positions attend to themselves only (see pack_sequences).
+        mask &= ~(torch.eye(length, dtype=torch.bool) & new.unsqueeze(-1))
+        padded["attention_mask"] = mask
     return padded
 
 

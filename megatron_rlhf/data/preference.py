@@ -58,16 +58,25 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[in
     return list(tokenizer(text)["input_ids"])
 
 
-def split_prompt_response(tokenizer, prompt: list[dict], response: list[dict]):
-    """Token ids of the prompt and of the response that follows it in the rendered pair."""
+def split_prompt_response(tokenizer, prompt: list[dict], response: list[dict],
+                          head: list[int] | None = None):
+    """Token ids of the prompt and of the response that follows it in the rendered pair.
+
+    ``head``: the prompt rendered alone, if already known (both sides of a pair share it).
+    """
     if response[: len(prompt)] == prompt:  # full conversations repeat the prompt first
         response = response[len(prompt):]
     full = _render(tokenizer, prompt + response, generation_prompt=False)
-    head = _render(tokenizer, prompt, generation_prompt=bool(getattr(tokenizer, "chat_template", None)))
+    if head is None:
+        head = render_prompt(tokenizer, prompt)
     cut = 0
     while cut < min(len(head), len(full)) and head[cut] == full[cut]:
         cut += 1
     return full[:cut], full[cut:]
+
+
+def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
+    return _render(tokenizer, prompt, generation_prompt=bool(getattr(tokenizer, "chat_template", None)))
 
 
 def _limit(prompt: list[int], response: list[int], max_prompt: int, max_response: int):
@@ -87,10 +96,11 @@ def load_pairs(files: list[str], tokenizer, max_prompt: int, max_response: int, 
         columns = {name: table.column(name).to_pylist() for name in required}
         for row in range(table.num_rows):
             prompt = _messages(columns["prompt"][row], path, "prompt", row)
+            prompt_ids = render_prompt(tokenizer, prompt)
             sides, over = [], False
             for column in ("chosen", "rejected"):
                 response = _messages(columns[column][row], path, column, row)
-                head, tail = split_prompt_response(tokenizer, prompt, response)
+                head, tail = split_prompt_response(tokenizer, prompt, response, prompt_ids)
                 if not tail:
                     raise UserError(f"{path}: column {column!r} row {row}: empty response")
                 over |= len(head) > max_prompt or len(tail) > max_response

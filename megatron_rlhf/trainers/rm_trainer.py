@@ -233,6 +233,8 @@ def train_rm(config: RMConfig) -> dict[str, float]:
         logger.scalars(step, last)
         _log("[train-rm] validation: " + ", ".join(f"{k.split('/')[1]} {v:.4f}"
                                                    for k, v in last.items() if k.startswith("val/")))
+    if dist.get_rank() == 0:
+        (out / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=2))
     found = complete_checkpoints(out / "checkpoints")
     final = found[-1] if found and found[-1].name.endswith(f"{step:08d}") else run.save(step)
     _log(f"[train-rm] final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
