@@ -3,7 +3,7 @@
 from setuptools import find_packages, setup
 
 # Ranges wide enough for the GPU extra (sglang pins its own torch and transformers); the exact
-# versions CI installs on CPU are pinned in constraints-cpu.txt, which tools/in_venv.sh applies.
+# versions of these on CPU are pinned in constraints-cpu.txt, which tools/in_venv.sh applies.
 INSTALL_REQUIRES = [
     "torch>=2.13,<2.15",
     "megatron-core==0.16.1",

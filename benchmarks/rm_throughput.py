@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 TRL_RUN = r'''
 import json, sys, time, torch
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 from trl import RewardConfig, RewardTrainer
 import pyarrow.parquet as pq
 base, data, steps, batch, micro, threads, out, max_length = sys.argv[1:9]
@@ -48,8 +48,6 @@ args = RewardConfig(output_dir=out, max_steps=int(steps), per_device_train_batch
                     max_length=int(max_length), seed=1, disable_tqdm=True, bf16=False)
 trainer = RewardTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
 tokens = [0]
-class Count(TrainerCallback):
-    pass
 orig = trainer.compute_loss
 def counted(model, inputs, *a, **k):
     tokens[0] += int(inputs["attention_mask"].sum())

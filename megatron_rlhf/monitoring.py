@@ -26,7 +26,9 @@ class MetricsLogger:
         if enabled and kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            # On resume, drop points a killed run logged after its last checkpoint.
+            self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:

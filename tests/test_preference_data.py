@@ -104,3 +104,30 @@ def test_ultrafeedback_conversion_with_margin(tokenizer, tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), path)
     pairs, _ = load_pairs([str(path)], tokenizer, 64, 64, "truncate", margin_column="margin")
     assert pairs[0].margin == 4.5
+
+
+def test_margin_must_be_a_number(tokenizer, tmp_path):
+    path = _write(tmp_path / "m.parquet", prompt=["a", "b"], chosen=["c", "d"], rejected=["e", "f"],
+                  margin=[1.0, None])
+    with pytest.raises(UserError, match=r"column 'margin' row 1: expected a number, got None"):
+        load_pairs([path], tokenizer, 64, 64, "truncate", margin_column="margin")
+
+
+def test_converter_keeps_margins_when_the_first_row_has_none(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    user = {"role": "user", "content": "q"}
+    rows = [{"chosen": [user, {"role": "assistant", "content": "a"}],
+             "rejected": [user, {"role": "assistant", "content": "b"}]},
+            {"chosen": [user, {"role": "assistant", "content": "c"}],
+             "rejected": [user, {"role": "assistant", "content": "d"}],
+             "score_chosen": 5.0, "score_rejected": 1.0}]
+    source = tmp_path / "uf.json"
+    source.write_text(json.dumps(rows))
+    script = Path(__file__).resolve().parents[1] / "tools" / "convert_preference_data.py"
+    subprocess.run([sys.executable, str(script), "--layout", "ultrafeedback", "--input", str(source),
+                    "--output", str(tmp_path / "out.parquet")], check=True, capture_output=True)
+    assert pq.read_table(tmp_path / "out.parquet").column("margin").to_pylist() == [None, 4.0]

@@ -87,3 +87,20 @@ def test_null_and_over_long_rows_are_reported(rm_setup, tmp_path, capsys):
     assert main(["score-rm", "--model-dir", str(mcore), "--data", str(long),
                  "--output", str(tmp_path / "o.parquet")]) == 2
     assert "row 0 prompt+chosen is" in capsys.readouterr().err
+
+
+def test_message_list_rows_score_like_strings(rm_setup, tmp_path):
+    _, data, mcore = rm_setup
+    rows = pq.read_table(data).to_pylist()
+    as_messages = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                    "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                    "rejected": [{"role": "user", "content": r["prompt"]},
+                                 {"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    messages = tmp_path / "messages.parquet"
+    pq.write_table(pa.Table.from_pylist(as_messages), messages)
+    for source, out in ((data, tmp_path / "a.parquet"), (messages, tmp_path / "b.parquet")):
+        assert main(["score-rm", "--model-dir", str(mcore), "--data", str(source),
+                     "--output", str(out)]) == 0
+    a, b = pq.read_table(tmp_path / "a.parquet"), pq.read_table(tmp_path / "b.parquet")
+    for column in ("chosen_reward", "rejected_reward"):
+        assert a.column(column).to_pylist() == b.column(column).to_pylist()

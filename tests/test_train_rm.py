@@ -172,6 +172,8 @@ def test_bad_input_stops_before_training(workspace, tmp_path, bad, message):
     (["data.train_batch_size=6"], "not divisible by data.micro_batch_size_per_rank=4"),
     (["data.overlong=cut"], "data.overlong='cut' must be one of truncate, drop"),
     (["optim.lrr=1"], "Key 'lrr' not in 'OptimConfig'"),
+    (["trainer.log_every_steps=0"], "trainer.log_every_steps=0 must be positive"),
+    (["parallel.tp=3"], "parallel layout: world size 1 is not divisible by tp*pp = 3*1 = 3"),
 ])
 def test_bad_config_is_named(workspace, tmp_path, capsys, extra, message):
     code = main(["train-rm", "--config", "configs/rm/tiny_cpu.yaml",
@@ -193,3 +195,20 @@ def test_nan_loss_stops_without_touching_checkpoints(workspace, tmp_path):
 
     for name in saved:
         read_checkpoint_info(out / "checkpoints" / name)  # each one complete and readable
+
+
+def test_resume_disable_refuses_an_old_run_folder(workspace, reference, capsys):
+    out = workspace / "runs" / "tp1"  # the finished reference run
+    code = main(["train-rm", "--config", "configs/rm/tiny_cpu.yaml",
+                 *overrides(workspace, out, 20), "trainer.resume=disable"])
+    assert code == 2 and "already holds a run" in capsys.readouterr().err
+    assert len(losses(out)) == 20  # nothing appended
+
+
+def test_finished_run_is_left_alone(workspace, reference, capsys):
+    out = workspace / "runs" / "tp1"
+    before = (out / "final_metrics.json").read_text()
+    assert main(["train-rm", "--config", "configs/rm/tiny_cpu.yaml",
+                 *overrides(workspace, out, 20)]) == 0
+    assert "already finished 20 steps" in capsys.readouterr().out
+    assert (out / "final_metrics.json").read_text() == before

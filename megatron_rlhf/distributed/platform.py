@@ -1,6 +1,6 @@
 """CPU platform layer: the one place where megatron-core's CUDA assumptions are bridged.
 
-megatron-core 0.16.1 assumes a GPU in ways no config flag turns off (see shared FINDINGS):
+megatron-core 0.16.1 assumes a GPU in ways no config flag turns off:
 
 1. buffers allocated with ``device=torch.cuda.current_device()`` (attention, rotary, TP mappings);
 2. the model-parallel RNG tracker reads and writes the CUDA generator, and attention always forks it;
@@ -139,9 +139,3 @@ def remove_platform() -> None:
             setattr(owner, name, original)
         _STATE.patches.clear()
         _STATE.applied = False
-
-
-def enter_device_mode_in_thread() -> None:
-    """Torch function modes are thread-local: threads that run megatron code call this."""
-    if _STATE.applied:
-        CudaToCpuMode().__enter__()

@@ -14,15 +14,22 @@ from megatron_rlhf.distributed.platform import device, platform_is_cpu
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size, transformer_config
 
 
+def uses_transformer_engine() -> bool:
+    """Whether models are built from Transformer Engine layers (GPU with TE installed)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def layer_spec():
     """Transformer-Engine layer spec when TE imports (GPU), megatron's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if uses_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
 class ValueHead(nn.Module):

@@ -1,4 +1,5 @@
-"""Forward-only passes through a (possibly pipelined) Megatron model, one micro-batch at a time."""
+"""Running micro-batches through a (possibly pipelined) Megatron model: the schedule, forward-only
+passes with a head on the last stage, and vocab-parallel gathers."""
 
 from __future__ import annotations
 

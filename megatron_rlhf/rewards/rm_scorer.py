@@ -10,14 +10,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
-from megatron_rlhf.data.chat import render_pair
+from megatron_rlhf.data.chat import pad_id, render_pair
 from megatron_rlhf.data.parquet import read_table, write_table_atomic
+from megatron_rlhf.data.preference import PAIR_COLUMNS
 from megatron_rlhf.distributed.launch import init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pad_right, pipeline_forward
-
-PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 
 
 @dataclass
@@ -54,12 +53,17 @@ def score_sequences(model, groups: ParallelGroups, sequences: list[list[int]],
     return rewards
 
 
-def _tokenize_rows(tokenizer, table: pa.Table, rows: list[int], max_tokens: int, path: str):
+def _tokenize_rows(tokenizer, table: pa.Table, max_tokens: int, path: str) -> list[list[int]]:
+    """Both sides of every row (``2i`` chosen, ``2i + 1`` rejected), checked on every rank so that
+    a bad row stops all ranks together instead of leaving some waiting in a collective."""
     sequences = []
     prompts, chosen, rejected = (table.column(c).to_pylist() for c in PAIR_COLUMNS)
-    for row in rows:
+    for row in range(table.num_rows):
         for name, response in (("chosen", chosen[row]), ("rejected", rejected[row])):
-            ids = render_pair(tokenizer, prompts[row], response)
+            try:
+                ids = render_pair(tokenizer, prompts[row], response)
+            except UserError as err:
+                raise UserError(f"{path}: row {row}: {err}") from None
             if len(ids) > max_tokens:
                 raise UserError(f"{path}: row {row} prompt+{name} is {len(ids)} tokens, over the "
                                 f"model's max_position_embeddings={max_tokens}")
@@ -76,14 +80,14 @@ def score_pairs(model_dir: str, data: str, output: str, layout: ParallelLayout =
     if info.arch.kind != "value":
         raise UserError(f"{model_dir} holds a {info.arch.kind} model, not a reward model")
     table = read_table(data, PAIR_COLUMNS)
+    tokenizer = AutoTokenizer.from_pretrained(info.hf_dir, local_files_only=True)
+    everything = _tokenize_rows(tokenizer, table, info.arch.max_position_embeddings, data)
     init_distributed()
     groups = build_parallel_groups(layout, info.arch.shape)
-    tokenizer = AutoTokenizer.from_pretrained(info.hf_dir, local_files_only=True)
     model = load_model_checkpoint(info, groups)
     rows = list(range(groups.dp_rank, table.num_rows, groups.layout.dp))
-    sequences = _tokenize_rows(tokenizer, table, rows, info.arch.max_position_embeddings, data)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rewards = score_sequences(model, groups, sequences, micro_batch_size, pad_id)
+    sequences = [everything[2 * row + side] for row in rows for side in (0, 1)]
+    rewards = score_sequences(model, groups, sequences, micro_batch_size, pad_id(tokenizer))
     owner = groups.is_last_stage and groups.tp_rank == 0
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (rows, rewards) if owner else None)

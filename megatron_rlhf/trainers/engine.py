@@ -64,7 +64,9 @@ def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_step
         optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr, lr_warmup_steps=warmup,
         lr_decay_steps=max(total_steps, warmup + 1), lr_decay_style="cosine",
         start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=max(total_steps, 1),
-        wd_incr_style="constant")
+        wd_incr_style="constant",
+        # On resume the config wins (e.g. more epochs); an unchanged config resumes exactly.
+        override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -98,13 +100,13 @@ def train_step(trainable: Trainable, micro_batches: list[dict],
         return model_forward(stage_model, batch), lambda output: loss_fn(output, batch)
 
     metrics = run_schedule(model, groups, micro_batches, forward_step, forward_only=False)
+    lr = trainable.optimizer.param_groups[0]["lr"]  # the rate this step applies
     success, grad_norm, _ = trainable.optimizer.step()
     if not success:
         raise UserError("optimizer step skipped: gradients contain inf or NaN")
     if grad_norm is not None and not math.isfinite(grad_norm):
         raise UserError(f"gradient norm is {grad_norm}")
     trainable.scheduler.step(increment=1)
-    lr = trainable.optimizer.param_groups[0]["lr"]
     return StepResult(list(metrics) if groups.is_last_stage else [], float(grad_norm or 0.0), lr)
 
 

@@ -21,10 +21,12 @@ from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_rm_confi
 from megatron_rlhf.config.schema import RMConfig
 from megatron_rlhf.data.packing import pack_sequences
 from megatron_rlhf.data.preference import TokenizedPair, load_pairs
-from megatron_rlhf.distributed.launch import init_distributed
+from megatron_rlhf.data.chat import pad_id
+from megatron_rlhf.distributed.launch import discover_rank, init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
 from megatron_rlhf.distributed.platform import platform_is_cpu
 from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.builder import uses_transformer_engine
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.monitoring import MetricsLogger
 from megatron_rlhf.trainers.engine import Trainable, make_trainable, reduce_metrics, train_step
@@ -111,10 +113,14 @@ def step_micro_batches(run: RMRun, step: int) -> list[dict]:
 def evaluate(run: RMRun) -> dict[str, float]:
     groups = run.groups
     mine = run.val_pairs[groups.dp_rank::groups.layout.dp]
-    size = run.plan.micro_batch_pairs
-    batches = [pair_batch(mine[i:i + size], run.config, run.pad_id) for i in range(0, len(mine), size)]
-    outputs = pipeline_forward(run.trainable.module, groups, batches,
-                               lambda out, batch: rm_loss(out, batch, run.config)[1])
+    size, chunk = run.plan.micro_batch_pairs, 8  # micro-batches (and masks) alive at a time
+    outputs = []
+    for start in range(0, len(mine), size * chunk):
+        part = mine[start:start + size * chunk]
+        batches = [pair_batch(part[i:i + size], run.config, run.pad_id)
+                   for i in range(0, len(part), size)]
+        outputs += pipeline_forward(run.trainable.module, groups, batches,
+                                    lambda out, batch: rm_loss(out, batch, run.config)[1])
     return summarize(reduce_metrics(outputs, groups, METRIC_KEYS), "val")
 
 
@@ -151,8 +157,13 @@ def setup(config: RMConfig) -> RMRun:
     validate_rm_config(config)
     layout = ParallelLayout(tp=config.parallel.tp, pp=config.parallel.pp)
     source = resolve_value_source(config.model.path, layout)
+    layout.resolve(discover_rank().world_size, source.arch.shape)  # before any group exists
     tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if config.data.use_remove_padding and uses_transformer_engine():
+        # TE's causal kernels ignore our block-diagonal mask; packed THD inputs are not wired up.
+        _log("[train-rm] data.use_remove_padding is not supported with Transformer Engine yet: "
+             "padding instead")
+        config.data.use_remove_padding = False
     init_distributed()
     groups = build_parallel_groups(layout, source.arch.shape, seed=config.trainer.seed)
     plan = batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank,
@@ -167,7 +178,7 @@ def setup(config: RMConfig) -> RMRun:
         total = min(total, config.trainer.max_steps)
     model = build_value_model(source, groups, _dtype(config), config.trainer.seed)
     trainable = make_trainable(model, groups, config.optim, total)
-    hf_config = reward_model_hf_config(source, pad_id)
+    hf_config = reward_model_hf_config(source, pad_id(tokenizer))
     meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
     root = Path(config.trainer.output_dir) / "checkpoints"
 
@@ -178,21 +189,66 @@ def setup(config: RMConfig) -> RMRun:
     _log(f"[train-rm] layout {groups.layout}; {plan.pairs_per_step} pairs/step = "
          f"{groups.layout.dp} ranks x {plan.micro_batches_per_step} micro-batches x "
          f"{plan.micro_batch_pairs} pairs; {total} steps")
-    return RMRun(config, groups, plan, trainable, train, val, pad_id, total, steps_per_epoch, save)
+    return RMRun(config, groups, plan, trainable, train, val, pad_id(tokenizer), total,
+                 steps_per_epoch, save)
+
+
+def _rank0_decides(value):
+    """Rank 0's ``value`` on every rank: filesystem views may differ between nodes, and every
+    rank must take the same branch into collective loads and saves."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _previous_run(run: RMRun, metrics_file: Path) -> Path | None:
+    """The checkpoint to resume from, or None; refuses to mix a new run into an old folder."""
+    root = Path(run.config.trainer.output_dir) / "checkpoints"
+    found = complete_checkpoints(root)
+    if run.config.trainer.resume == "disable" and (found or metrics_file.is_file()):
+        raise UserError(f"{run.config.trainer.output_dir} already holds a run; with "
+                        "trainer.resume=disable choose an empty trainer.output_dir")
+    return found[-1] if found and run.config.trainer.resume == "auto" else None
+
+
+def _trim_metrics(metrics_file: Path, step: int) -> None:
+    """Keep the lines up to ``step``; a line half-written by a killed run is dropped."""
+    kept = []
+    for line in metrics_file.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue
+    metrics_file.write_text("".join(line + "\n" for line in kept))
 
 
 def _resume(run: RMRun, metrics_file: Path) -> int:
-    root = Path(run.config.trainer.output_dir) / "checkpoints"
-    found = complete_checkpoints(root) if run.config.trainer.resume == "auto" else []
-    if not found:
+    checkpoint = _rank0_decides(_previous_run(run, metrics_file) if dist.get_rank() == 0 else None)
+    if checkpoint is None:
         return 0
-    step = load_train_checkpoint(found[-1], run.trainable)["step"]
-    _log(f"[train-rm] resumed from {found[-1]} (step {step})")
+    step = load_train_checkpoint(checkpoint, run.trainable)["step"]
+    _log(f"[train-rm] resumed from {checkpoint} (step {step})")
     if dist.get_rank() == 0 and metrics_file.is_file():
-        kept = [line for line in metrics_file.read_text().splitlines()
-                if json.loads(line)["step"] <= step]
-        metrics_file.write_text("".join(line + "\n" for line in kept))
+        _trim_metrics(metrics_file, step)
     return step
+
+
+def _finish(run: RMRun, step: int, last: dict, logger: MetricsLogger) -> dict:
+    out = Path(run.config.trainer.output_dir)
+    if run.val_pairs:
+        last.update(evaluate(run))
+        logger.scalars(step, last)
+        _log("[train-rm] validation: " + ", ".join(f"{k.split('/')[1]} {v:.4f}"
+                                                   for k, v in last.items() if k.startswith("val/")))
+    if dist.get_rank() == 0:
+        (out / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=2))
+    found = complete_checkpoints(out / "checkpoints") if dist.get_rank() == 0 else []
+    saved = _rank0_decides(bool(found) and found[-1].name.endswith(f"{step:08d}"))
+    final = (found[-1] if found else None) if saved else run.save(step)
+    _log(f"[train-rm] final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
+         f"--mcore-dir {final} --out-dir HF_DIR)")
+    return last
 
 
 def train_rm(config: RMConfig) -> dict[str, float]:
@@ -204,6 +260,9 @@ def train_rm(config: RMConfig) -> dict[str, float]:
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     step = _resume(run, metrics_file)
+    if step >= run.total_steps:
+        _log(f"[train-rm] {out} already finished {step} steps; nothing to do")
+        return {}
     logger = MetricsLogger(trainer.output_dir, trainer.logger, run.total_steps,
                            dist.get_rank() == 0, start_step=step)
     last = {}
@@ -228,16 +287,6 @@ def train_rm(config: RMConfig) -> dict[str, float]:
                 handle.write(json.dumps({"step": step, **last}) + "\n")
         if trainer.save_every_steps and step % trainer.save_every_steps == 0:
             run.save(step)
-    if run.val_pairs:
-        last.update(evaluate(run))
-        logger.scalars(step, last)
-        _log("[train-rm] validation: " + ", ".join(f"{k.split('/')[1]} {v:.4f}"
-                                                   for k, v in last.items() if k.startswith("val/")))
-    if dist.get_rank() == 0:
-        (out / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=2))
-    found = complete_checkpoints(out / "checkpoints")
-    final = found[-1] if found and found[-1].name.endswith(f"{step:08d}") else run.save(step)
-    _log(f"[train-rm] final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
-         f"--mcore-dir {final} --out-dir HF_DIR)")
+    last = _finish(run, step, last, logger)
     logger.close()
     return last
