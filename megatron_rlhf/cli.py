@@ -17,6 +17,31 @@ from megatron_rlhf.errors import UserError
 EXIT_USER_ERROR = 2
 
 
+def _rm():
+    from megatron_rlhf.trainers.rm_trainer import train_rm
+
+    return train_rm
+
+
+def _sft():
+    from megatron_rlhf.trainers.sft_trainer import train_sft
+
+    return train_sft
+
+
+def _schema(name):
+    def load():
+        from megatron_rlhf.config import schema
+
+        return getattr(schema, name)
+
+    return load
+
+
+# job -> (config schema, trainer), imported only when the job runs
+TRAINERS = {"train-rm": (_schema("RMConfig"), _rm), "sft": (_schema("SFTConfig"), _sft)}
+
+
 def _size(text: str) -> int:
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "B": 1}
     for unit, factor in units.items():
@@ -55,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
     _add_layout(score)
 
-    train_rm = jobs.add_parser("train-rm", help="train a Bradley-Terry reward model")
-    train_rm.add_argument("--config", help="YAML under configs/rm/")
-    train_rm.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-5")
-    train_rm.add_argument("--nproc-per-node", type=int, default=1,
-                          help="launch this many local processes (ignored under torchrun/srun)")
+    for job, what, folder in (("train-rm", "train a Bradley-Terry reward model", "rm"),
+                              ("sft", "supervised fine-tuning of a policy", "sft")):
+        trainer = jobs.add_parser(job, help=what)
+        trainer.add_argument("--config", help=f"YAML under configs/{folder}/")
+        trainer.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-5")
+        trainer.add_argument("--nproc-per-node", type=int, default=1,
+                             help="launch this many local processes (ignored under torchrun/srun)")
 
     tiny = jobs.add_parser("make-tiny-model", help="random tiny Qwen2 LM + tokenizer for the task")
     tiny.add_argument("--data-dir", required=True, help="folder written by tools/make_task_data.py")
@@ -79,11 +106,10 @@ def _validate_before_launch(args) -> None:
     from megatron_rlhf.data.parquet import read_table
     from megatron_rlhf.distributed.layout import ParallelLayout
 
-    if args.job == "train-rm":
-        from megatron_rlhf.config.loader import load_config, validate_rm_config
-        from megatron_rlhf.config.schema import RMConfig
+    if args.job in TRAINERS:
+        from megatron_rlhf.config.loader import load_config, validate_training_config
 
-        validate_rm_config(load_config(RMConfig, args.config, args.overrides))
+        validate_training_config(load_config(TRAINERS[args.job][0](), args.config, args.overrides))
         return
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
     if args.job == "convert":
@@ -117,12 +143,11 @@ def run(args) -> int:
         if result is not None:
             print(f"scored {len(result.chosen)} pairs -> {args.output}; "
                   f"pairwise accuracy {result.accuracy:.4f}")
-    elif args.job == "train-rm":
+    elif args.job in TRAINERS:
         from megatron_rlhf.config.loader import load_config
-        from megatron_rlhf.config.schema import RMConfig
-        from megatron_rlhf.trainers.rm_trainer import train_rm
 
-        train_rm(load_config(RMConfig, args.config, args.overrides))
+        schema, train = (load() for load in TRAINERS[args.job])
+        train(load_config(schema, args.config, args.overrides))
     elif args.job == "make-tiny-model":
         _make_tiny_model(args)
     elif args.job == "demo":

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.config.loader import batch_plan, load_config, validate_rm_config
-from megatron_rlhf.config.schema import RMConfig
+from megatron_rlhf.config.loader import (batch_plan, load_config, validate_rm_config,
+                                        validate_sft_config)
+from megatron_rlhf.config.schema import RMConfig, SFTConfig
 from megatron_rlhf.distributed.layout import ModelShape, ParallelLayout
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -24,3 +25,8 @@ def test_rm_configs_validate(path):
                           layout.dp)
         assert plan.micro_batches_per_step >= 1
         assert config.model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("sft/*.yaml")), ids=lambda p: p.name)
+def test_sft_configs_validate(path):
+    validate_sft_config(load_config(SFTConfig, str(path), []))

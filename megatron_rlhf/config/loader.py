@@ -9,7 +9,7 @@ from typing import TypeVar
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_rlhf.config.schema import RMConfig
+from megatron_rlhf.config.schema import RMConfig, SFTConfig
 from megatron_rlhf.errors import UserError
 
 T = TypeVar("T")
@@ -39,21 +39,22 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one optimizer step's pairs are split over ranks and micro-batches."""
+    """How one optimizer step's examples (pairs for reward models, samples for SFT) are split
+    over ranks and micro-batches."""
 
-    pairs_per_step: int  # global
-    pairs_per_rank_step: int  # per data-parallel rank
-    micro_batch_pairs: int  # per rank, per forward/backward
+    per_step: int  # examples per optimizer step, global
+    per_rank_step: int  # examples per optimizer step, per data-parallel rank
+    per_micro_batch: int  # examples per forward/backward, per rank
     micro_batches_per_step: int  # per rank (gradient accumulation)
 
 
 def batch_plan(train_batch_size: int, micro_batch_size_per_rank: int, dp: int) -> BatchPlan:
     if train_batch_size % dp:
-        raise UserError(f"config: data.train_batch_size={train_batch_size} pairs is not divisible "
+        raise UserError(f"config: data.train_batch_size={train_batch_size} is not divisible "
                         f"by the data-parallel size {dp}")
     per_rank = train_batch_size // dp
     if per_rank % micro_batch_size_per_rank:
-        raise UserError(f"config: data.train_batch_size / dp = {per_rank} pairs per rank is not "
+        raise UserError(f"config: data.train_batch_size / dp = {per_rank} per rank is not "
                         f"divisible by data.micro_batch_size_per_rank={micro_batch_size_per_rank}")
     return BatchPlan(train_batch_size, per_rank, micro_batch_size_per_rank,
                      per_rank // micro_batch_size_per_rank)
@@ -66,6 +67,15 @@ def _positive(name: str, value) -> None:
 
 def validate_rm_config(config: RMConfig) -> RMConfig:
     """Checks that need no process group; the DP-dependent ones live in :func:`batch_plan`."""
+    return validate_training_config(config)
+
+
+def validate_sft_config(config: SFTConfig) -> SFTConfig:
+    return validate_training_config(config)
+
+
+def validate_training_config(config):
+    """The checks every trainer's config (model, data, optim, trainer sections) needs."""
     data, optim, trainer = config.data, config.optim, config.trainer
     if not data.train_files:
         raise UserError("config: data.train_files is empty")

@@ -77,7 +77,7 @@ class RMLossConfig:
 
 
 @dataclass
-class RMTrainerConfig:
+class TrainerConfig:
     total_epochs: int = 1
     """Passes over the training pairs."""
     output_dir: str = "runs/rm"
@@ -109,4 +109,37 @@ class RMConfig:
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: RMLossConfig = field(default_factory=RMLossConfig)
-    trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Parquet files with ``prompt`` (string or messages) and ``response`` (string) columns."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out Parquet files, same layout."""
+    max_prompt_length: int = 512
+    """Longest prompt, in tokens (after the chat template)."""
+    max_response_length: int = 512
+    """Longest response, in tokens."""
+    overlong: str = "truncate"
+    """Samples over a limit: ``truncate`` (prompt's end, response's start) or ``drop``."""
+    train_batch_size: int = 64
+    """Samples (prompt + response) per optimizer step, global (summed over data-parallel ranks)."""
+    micro_batch_size_per_rank: int = 8
+    """Samples per forward/backward pass on one data-parallel rank."""
+    use_remove_padding: bool = True
+    """Pack samples into shared rows instead of padding each to the longest."""
+    shuffle: bool = True
+    """Reshuffle every epoch (seeded by ``trainer.seed`` and the epoch)."""
+
+
+@dataclass
+class SFTConfig:
+    """``megatron-rlhf sft``: supervised fine-tuning, loss on response tokens only."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(output_dir="runs/sft"))

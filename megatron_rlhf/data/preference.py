@@ -32,9 +32,10 @@ class LengthReport:
     truncated: int = 0
     dropped: int = 0
     files: list[str] = field(default_factory=list)
+    item: str = "pairs"
 
     def __str__(self) -> str:
-        return (f"{self.total} pairs from {len(self.files)} file(s); {self.truncated} truncated, "
+        return (f"{self.total} {self.item} from {len(self.files)} file(s); {self.truncated} truncated, "
                 f"{self.dropped} dropped as over-long")
 
 

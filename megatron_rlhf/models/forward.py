@@ -97,3 +97,19 @@ def gather_vocab_parallel(logits: torch.Tensor, groups: ParallelGroups) -> torch
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     return gather_from_tensor_model_parallel_region(logits.contiguous(), group=groups.tp)
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                        groups: ParallelGroups) -> torch.Tensor:
+    """Per-token ``-log p(target)`` from vocab-parallel ``logits [b, t, V/tp]`` -> ``[b, t]``.
+
+    The rows Megatron pads the vocabulary with are excluded from the softmax, so the result is
+    the unpadded model's (Hugging Face's) cross-entropy, and padded ids get no probability.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    local = logits.shape[-1]
+    first = groups.tp_rank * local
+    padded = torch.arange(first, first + local, device=logits.device) >= vocab_size
+    logits = logits.float().masked_fill(padded, torch.finfo(torch.float32).min)
+    return vocab_parallel_cross_entropy(logits, targets.to(logits.device))

@@ -6,7 +6,6 @@ rows when ``data.use_remove_padding``); the reward is the value head at each seq
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms.bradley_terry import bradley_terry_loss, pair_metrics
-from megatron_rlhf.checkpoint.train_ckpt import (complete_checkpoints, load_train_checkpoint,
-                                                 save_train_checkpoint)
+from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_rm_config
 from megatron_rlhf.config.schema import RMConfig
 from megatron_rlhf.data.packing import pack_sequences
@@ -28,8 +26,8 @@ from megatron_rlhf.distributed.platform import platform_is_cpu
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import uses_transformer_engine
 from megatron_rlhf.models.forward import pipeline_forward
-from megatron_rlhf.monitoring import MetricsLogger
-from megatron_rlhf.trainers.engine import Trainable, make_trainable, reduce_metrics, train_step
+from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics
+from megatron_rlhf.trainers.loop import Run, epoch_order, fit
 from megatron_rlhf.trainers.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
 
@@ -38,19 +36,16 @@ METRIC_KEYS = ["loss", "correct", "margin", "chosen", "chosen_sq", "rejected", "
 
 
 @dataclass
-class RMRun:
-    """Everything the loop needs, built once at start-up."""
+class RMData:
+    """The tokenised pairs and how a step's share of them is cut for this rank."""
 
     config: RMConfig
     groups: ParallelGroups
     plan: BatchPlan
-    trainable: Trainable
     train_pairs: list[TokenizedPair]
     val_pairs: list[TokenizedPair]
     pad_id: int
-    total_steps: int
     steps_per_epoch: int
-    save: callable
 
 
 def pair_batch(pairs: list[TokenizedPair], config: RMConfig, pad_id: int) -> dict:
@@ -92,34 +87,28 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
     return out
 
 
-def epoch_order(count: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    if not shuffle:
-        return list(range(count))
-    return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
-
-
-def step_micro_batches(run: RMRun, step: int) -> list[dict]:
+def step_micro_batches(run: RMData, step: int) -> list[dict]:
     """This rank's micro-batches for global optimizer step ``step`` (0-based)."""
     plan, groups = run.plan, run.groups
     epoch, index = divmod(step, run.steps_per_epoch)
     order = epoch_order(len(run.train_pairs), run.config.trainer.seed, epoch, run.config.data.shuffle)
-    start = index * plan.pairs_per_step + groups.dp_rank * plan.pairs_per_rank_step
-    mine = [run.train_pairs[i] for i in order[start:start + plan.pairs_per_rank_step]]
-    return [pair_batch(mine[i:i + plan.micro_batch_pairs], run.config, run.pad_id)
-            for i in range(0, len(mine), plan.micro_batch_pairs)]
+    start = index * plan.per_step + groups.dp_rank * plan.per_rank_step
+    mine = [run.train_pairs[i] for i in order[start:start + plan.per_rank_step]]
+    return [pair_batch(mine[i:i + plan.per_micro_batch], run.config, run.pad_id)
+            for i in range(0, len(mine), plan.per_micro_batch)]
 
 
 @torch.no_grad()
-def evaluate(run: RMRun) -> dict[str, float]:
+def evaluate(run: RMData, model) -> dict[str, float]:
     groups = run.groups
     mine = run.val_pairs[groups.dp_rank::groups.layout.dp]
-    size, chunk = run.plan.micro_batch_pairs, 8  # micro-batches (and masks) alive at a time
+    size, chunk = run.plan.per_micro_batch, 8  # micro-batches (and masks) alive at a time
     outputs = []
     for start in range(0, len(mine), size * chunk):
         part = mine[start:start + size * chunk]
         batches = [pair_batch(part[i:i + size], run.config, run.pad_id)
                    for i in range(0, len(part), size)]
-        outputs += pipeline_forward(run.trainable.module, groups, batches,
+        outputs += pipeline_forward(model, groups, batches,
                                     lambda out, batch: rm_loss(out, batch, run.config)[1])
     return summarize(reduce_metrics(outputs, groups, METRIC_KEYS), "val")
 
@@ -150,7 +139,7 @@ def _log(message: str) -> None:
         print(message, flush=True)
 
 
-def setup(config: RMConfig) -> RMRun:
+def setup(config: RMConfig) -> Run:
     """Validate, read data (before any model is built), build model, optimizer and schedule."""
     from transformers import AutoTokenizer
 
@@ -169,10 +158,10 @@ def setup(config: RMConfig) -> RMRun:
     plan = batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank,
                       groups.layout.dp)
     train, val = _load_data(config, tokenizer)
-    steps_per_epoch = len(train) // plan.pairs_per_step
+    steps_per_epoch = len(train) // plan.per_step
     if steps_per_epoch == 0:
         raise UserError(f"config: {len(train)} training pairs are fewer than one step's "
-                        f"data.train_batch_size={plan.pairs_per_step}")
+                        f"data.train_batch_size={plan.per_step}")
     total = steps_per_epoch * config.trainer.total_epochs
     if config.trainer.max_steps:
         total = min(total, config.trainer.max_steps)
@@ -186,107 +175,17 @@ def setup(config: RMConfig) -> RMRun:
         return save_train_checkpoint(root, step, trainable, meta, hf_config, tokenizer,
                                      {"step": step}, config.trainer.keep_last_n)
 
-    _log(f"[train-rm] layout {groups.layout}; {plan.pairs_per_step} pairs/step = "
+    _log(f"[train-rm] layout {groups.layout}; {plan.per_step} pairs/step = "
          f"{groups.layout.dp} ranks x {plan.micro_batches_per_step} micro-batches x "
-         f"{plan.micro_batch_pairs} pairs; {total} steps")
-    return RMRun(config, groups, plan, trainable, train, val, pad_id(tokenizer), total,
-                 steps_per_epoch, save)
-
-
-def _rank0_decides(value):
-    """Rank 0's ``value`` on every rank: filesystem views may differ between nodes, and every
-    rank must take the same branch into collective loads and saves."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _previous_run(run: RMRun, metrics_file: Path) -> Path | None:
-    """The checkpoint to resume from, or None; refuses to mix a new run into an old folder."""
-    root = Path(run.config.trainer.output_dir) / "checkpoints"
-    found = complete_checkpoints(root)
-    if run.config.trainer.resume == "disable" and (found or metrics_file.is_file()):
-        raise UserError(f"{run.config.trainer.output_dir} already holds a run; with "
-                        "trainer.resume=disable choose an empty trainer.output_dir")
-    return found[-1] if found and run.config.trainer.resume == "auto" else None
-
-
-def _trim_metrics(metrics_file: Path, step: int) -> None:
-    """Keep the lines up to ``step``; a line half-written by a killed run is dropped."""
-    kept = []
-    for line in metrics_file.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            continue
-    metrics_file.write_text("".join(line + "\n" for line in kept))
-
-
-def _resume(run: RMRun, metrics_file: Path) -> int:
-    checkpoint = _rank0_decides(_previous_run(run, metrics_file) if dist.get_rank() == 0 else None)
-    if checkpoint is None:
-        return 0
-    step = load_train_checkpoint(checkpoint, run.trainable)["step"]
-    _log(f"[train-rm] resumed from {checkpoint} (step {step})")
-    if dist.get_rank() == 0 and metrics_file.is_file():
-        _trim_metrics(metrics_file, step)
-    return step
-
-
-def _finish(run: RMRun, step: int, last: dict, logger: MetricsLogger) -> dict:
-    out = Path(run.config.trainer.output_dir)
-    if run.val_pairs:
-        last.update(evaluate(run))
-        logger.scalars(step, last)
-        _log("[train-rm] validation: " + ", ".join(f"{k.split('/')[1]} {v:.4f}"
-                                                   for k, v in last.items() if k.startswith("val/")))
-    if dist.get_rank() == 0:
-        (out / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=2))
-    found = complete_checkpoints(out / "checkpoints") if dist.get_rank() == 0 else []
-    saved = _rank0_decides(bool(found) and found[-1].name.endswith(f"{step:08d}"))
-    final = (found[-1] if found else None) if saved else run.save(step)
-    _log(f"[train-rm] final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
-         f"--mcore-dir {final} --out-dir HF_DIR)")
-    return last
+         f"{plan.per_micro_batch} pairs; {total} steps")
+    data = RMData(config, groups, plan, train, val, pad_id(tokenizer), steps_per_epoch)
+    return Run(
+        name="train-rm", trainer=config.trainer, groups=groups, trainable=trainable,
+        total_steps=total, micro_batches=lambda step: step_micro_batches(data, step),
+        loss=lambda output, batch: rm_loss(output, batch, config), metric_keys=METRIC_KEYS,
+        summarize=summarize, evaluate=(lambda: evaluate(data, trainable.module)) if val else None,
+        save=save, item="pairs", shown=("train/loss", "train/accuracy"))
 
 
 def train_rm(config: RMConfig) -> dict[str, float]:
-    """The loop: batches -> forward/backward -> optimizer step -> log / validate / save."""
-    run = setup(config)
-    trainer = config.trainer
-    out = Path(trainer.output_dir)
-    metrics_file = out / "metrics.jsonl"
-    if dist.get_rank() == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    step = _resume(run, metrics_file)
-    if step >= run.total_steps:
-        _log(f"[train-rm] {out} already finished {step} steps; nothing to do")
-        return {}
-    logger = MetricsLogger(trainer.output_dir, trainer.logger, run.total_steps,
-                           dist.get_rank() == 0, start_step=step)
-    last = {}
-    while step < run.total_steps:
-        result = train_step(run.trainable, step_micro_batches(run, step),
-                            lambda output, batch: rm_loss(output, batch, config))
-        sums = reduce_metrics(result.metrics, run.groups, METRIC_KEYS)
-        step += 1
-        logger.count(sums["count"], sums["tokens"])
-        last = {**summarize(sums, "train"), "train/lr": result.lr, "train/grad_norm": result.grad_norm}
-        if not math.isfinite(last["train/loss"]):
-            raise UserError(f"training loss is {last['train/loss']} at step {step}; stopped without "
-                            f"saving (checkpoints in {out / 'checkpoints'} are untouched)")
-        if trainer.eval_every_steps and step % trainer.eval_every_steps == 0 and run.val_pairs:
-            last.update(evaluate(run))
-        if step % trainer.log_every_steps == 0 or step == run.total_steps:
-            shown = {"loss": last["train/loss"], "acc": last["train/accuracy"], "lr": result.lr}
-            last.update(logger.progress(step, "pairs", shown))
-        logger.scalars(step, last)
-        if dist.get_rank() == 0:
-            with metrics_file.open("a") as handle:
-                handle.write(json.dumps({"step": step, **last}) + "\n")
-        if trainer.save_every_steps and step % trainer.save_every_steps == 0:
-            run.save(step)
-    last = _finish(run, step, last, logger)
-    logger.close()
-    return last
+    return fit(setup(config))
