@@ -28,9 +28,12 @@ class ParallelConfig:
 
 
 @dataclass
-class PreferenceDataConfig:
+class DataConfig:
+    """Fields every trainer's data section has. An example is a preference pair (reward model)
+    or a prompt/response sample (SFT)."""
+
     train_files: list[str] = field(default_factory=list)
-    """Parquet files with ``prompt``, ``chosen``, ``rejected`` (strings or chat message lists)."""
+    """Training Parquet files (columns: see the trainer)."""
     val_files: list[str] = field(default_factory=list)
     """Held-out Parquet files, same layout; validation runs every ``trainer.eval_every_steps``."""
     max_prompt_length: int = 512
@@ -38,16 +41,24 @@ class PreferenceDataConfig:
     max_response_length: int = 512
     """Longest response, in tokens."""
     overlong: str = "truncate"
-    """Pairs over a limit: ``truncate`` (keep the prompt's end and the response's start) or ``drop``."""
+    """Examples over a limit: ``truncate`` (keep the prompt's end and the response's start) or
+    ``drop``; the counts are reported at start."""
     train_batch_size: int = 64
-    """Preference pairs per optimizer step, global (summed over data-parallel ranks)."""
+    """Examples per optimizer step, global (summed over data-parallel ranks)."""
     micro_batch_size_per_rank: int = 8
-    """Preference pairs per forward/backward pass on one data-parallel rank."""
+    """Examples per forward/backward pass on one data-parallel rank."""
     use_remove_padding: bool = True
     """Pack sequences into rows of ``max_prompt_length + max_response_length`` tokens instead of
-    padding each to the longest: no compute is spent on padding tokens."""
+    padding each to the longest: projections and MLPs see no padding tokens."""
     shuffle: bool = True
-    """Reshuffle the training pairs every epoch (seeded by ``trainer.seed`` and the epoch)."""
+    """Reshuffle the training examples every epoch (seeded by ``trainer.seed`` and the epoch)."""
+
+
+@dataclass
+class PreferenceDataConfig(DataConfig):
+    """Files with ``prompt``, ``chosen``, ``rejected`` (strings or chat message lists); an example
+    is a pair, so ``train_batch_size`` counts pairs."""
+
     margin_column: Optional[str] = None
     """Optional float column holding each pair's required reward margin."""
 
@@ -113,25 +124,9 @@ class RMConfig:
 
 
 @dataclass
-class SFTDataConfig:
-    train_files: list[str] = field(default_factory=list)
-    """Parquet files with ``prompt`` (string or messages) and ``response`` (string) columns."""
-    val_files: list[str] = field(default_factory=list)
-    """Held-out Parquet files, same layout."""
-    max_prompt_length: int = 512
-    """Longest prompt, in tokens (after the chat template)."""
-    max_response_length: int = 512
-    """Longest response, in tokens."""
-    overlong: str = "truncate"
-    """Samples over a limit: ``truncate`` (prompt's end, response's start) or ``drop``."""
-    train_batch_size: int = 64
-    """Samples (prompt + response) per optimizer step, global (summed over data-parallel ranks)."""
-    micro_batch_size_per_rank: int = 8
-    """Samples per forward/backward pass on one data-parallel rank."""
-    use_remove_padding: bool = True
-    """Pack samples into shared rows instead of padding each to the longest."""
-    shuffle: bool = True
-    """Reshuffle every epoch (seeded by ``trainer.seed`` and the epoch)."""
+class SFTDataConfig(DataConfig):
+    """Files with ``prompt`` (string or messages) and ``response`` (string) columns; an example
+    is a sample, so ``train_batch_size`` counts samples."""
 
 
 @dataclass
