@@ -14,29 +14,19 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from megatron_rlhf.convert.checkpoints import hf_to_mcore, mcore_to_hf
+from megatron_rlhf.data.task_files import write_task_files
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
 
 
-def _arithmetic_pairs(count: int, seed: int = 0) -> dict[str, list[str]]:
-    rng = torch.Generator().manual_seed(seed)
-    rows = {"prompt": [], "chosen": [], "rejected": []}
-    for _ in range(count):
-        a, b, delta = (int(x) for x in torch.randint(0, 50, (3,), generator=rng))
-        rows["prompt"].append(f"what is {a} plus {b}?")
-        rows["chosen"].append(f"the answer is {a + b}.")
-        rows["rejected"].append(f"the answer is {a + b + delta % 9 + 1}.")
-    return rows
-
-
 def _build_models(root: Path) -> dict[str, Path]:
-    pairs = _arithmetic_pairs(400, seed=1)
-    texts = [p + " " + c for p, c in zip(pairs["prompt"], pairs["chosen"])]
+    sft = pq.read_table(root / "data" / "sft_train.parquet")
+    texts = [p + " " + r for p, r in zip(sft.column("prompt").to_pylist(),
+                                         sft.column("response").to_pylist())]
     tokenizer = train_tokenizer(texts, root / "tokenizer", vocab_size=300)
     paths = {}
     for kind in ("policy", "value"):
@@ -75,7 +65,9 @@ def run_demo(out_dir: str) -> int:
     root.mkdir(parents=True)
     marker.touch()
     start = time.time()
-    print(f"[demo] building the tiny Qwen2 policy and reward model under {root}")
+    print(f"[demo] writing the bundled addition task and building a tiny Qwen2 policy and reward "
+          f"model under {root}")
+    write_task_files(str(root / "data"), train=400, val=64, seed=0)
     hf = _build_models(root)
     rows = []
     for kind, path in hf.items():
@@ -84,8 +76,7 @@ def run_demo(out_dir: str) -> int:
         mcore_to_hf(str(mcore), str(back))
         rows.append((kind, _bit_identical(path, back)))
         torch.distributed.destroy_process_group()
-    data = root / "prefs.parquet"
-    pq.write_table(pa.table(_arithmetic_pairs(64, seed=2)), data)
+    data = root / "data" / "prefs_val.parquet"
     scored = [(tp, _score(root / "mcore_value", data, root / f"scored_tp{tp}.parquet", tp))
               for tp in (1, 2)]
     tp1, tp2 = (pq.read_table(root / f"scored_tp{tp}.parquet") for tp in (1, 2))
