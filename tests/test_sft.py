@@ -27,16 +27,9 @@ def test_labels_and_loss_mask_by_hand():
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from megatron_rlhf.data.task_files import write_task_files
-    from megatron_rlhf.models.tiny import make_tiny_base
+    from tests.tiny_models import build_task_workspace
 
-    root = tmp_path_factory.mktemp("sft")
-    write_task_files(str(root / "data"), train=256, val=32, seed=5)
-    table = pq.read_table(root / "data" / "sft_train.parquet")
-    texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
-                                         table.column("response").to_pylist())]
-    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
-    return root
+    return build_task_workspace(tmp_path_factory.mktemp("sft"), train=256, val=32, seed=5)
 
 
 def run_sft(workspace, out, nproc=1, *extra):

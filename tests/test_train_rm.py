@@ -18,16 +18,9 @@ from megatron_rlhf.cli import main
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from megatron_rlhf.data.task_files import write_task_files
-    from megatron_rlhf.models.tiny import make_tiny_base
+    from tests.tiny_models import build_task_workspace
 
-    root = tmp_path_factory.mktemp("rm")
-    write_task_files(str(root / "data"), train=400, val=48, seed=3, high=30)
-    table = pq.read_table(root / "data" / "sft_train.parquet")
-    texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
-                                         table.column("response").to_pylist())]
-    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
-    return root
+    return build_task_workspace(tmp_path_factory.mktemp("rm"), train=400, val=48, seed=3, high=30)
 
 
 def overrides(root, out, steps=20, *extra):

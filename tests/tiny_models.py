@@ -32,3 +32,19 @@ def build_all(root: str | Path) -> dict[str, Path]:
         if kind == "value":
             tokenizer.save_pretrained(paths[name])
     return paths
+
+
+def build_task_workspace(root: str | Path, train: int, val: int, seed: int, high: int = 19) -> Path:
+    """Bundled-task Parquet files under ``root/data`` and a tiny base LM under ``root/base``."""
+    import pyarrow.parquet as pq
+
+    from megatron_rlhf.data.task_files import write_task_files
+    from megatron_rlhf.models.tiny import make_tiny_base
+
+    root = Path(root)
+    write_task_files(str(root / "data"), train=train, val=val, seed=seed, high=high)
+    table = pq.read_table(root / "data" / "sft_train.parquet")
+    texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
+                                         table.column("response").to_pylist())]
+    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
+    return root

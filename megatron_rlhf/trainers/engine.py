@@ -17,9 +17,33 @@ import torch.distributed as dist
 from megatron_rlhf.config.schema import OptimConfig
 from megatron_rlhf.data.packing import pad_to_common_shape
 from megatron_rlhf.distributed.layout import ParallelGroups
-from megatron_rlhf.distributed.platform import device
+from megatron_rlhf.distributed.platform import device, platform_is_cpu
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import model_forward, run_schedule
+
+
+def training_dtype(name: str) -> torch.dtype:
+    """``model.dtype``: ``auto`` is float32 on CPU and bfloat16 on GPU."""
+    if name == "auto":
+        return torch.float32 if platform_is_cpu() else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def packing_supported(requested: bool, tag: str) -> bool:
+    """Whether ``data.use_remove_padding`` can be honoured by the layers this process builds.
+
+    Transformer Engine's causal kernels ignore our block-diagonal mask and THD inputs are not
+    wired up yet, so with TE the trainers pad instead (and say so).
+    """
+    from megatron_rlhf.distributed.launch import discover_rank
+    from megatron_rlhf.models.builder import uses_transformer_engine
+
+    if requested and uses_transformer_engine():
+        if discover_rank().rank == 0:  # runs before the process group exists
+            print(f"[{tag}] data.use_remove_padding is not supported with Transformer Engine yet: "
+                  "padding instead", flush=True)
+        return False
+    return requested
 
 
 @dataclass

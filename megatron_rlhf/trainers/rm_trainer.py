@@ -22,11 +22,10 @@ from megatron_rlhf.data.preference import TokenizedPair, load_pairs
 from megatron_rlhf.data.chat import pad_id
 from megatron_rlhf.distributed.launch import discover_rank, init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
-from megatron_rlhf.distributed.platform import platform_is_cpu
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.models.builder import uses_transformer_engine
 from megatron_rlhf.models.forward import pipeline_forward
-from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics
+from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
+                                          training_dtype)
 from megatron_rlhf.trainers.loop import Run, epoch_order, fit
 from megatron_rlhf.trainers.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
@@ -113,13 +112,6 @@ def evaluate(run: RMData, model) -> dict[str, float]:
     return summarize(reduce_metrics(outputs, groups, METRIC_KEYS), "val")
 
 
-def _dtype(config: RMConfig) -> torch.dtype:
-    name = config.model.dtype
-    if name == "auto":
-        return torch.float32 if platform_is_cpu() else torch.bfloat16
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
 def _load_data(config: RMConfig, tokenizer) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
     data = config.data
     limits = dict(tokenizer=tokenizer, max_prompt=data.max_prompt_length,
@@ -148,11 +140,8 @@ def setup(config: RMConfig) -> Run:
     source = resolve_value_source(config.model.path, layout)
     layout.resolve(discover_rank().world_size, source.arch.shape)  # before any group exists
     tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
-    if config.data.use_remove_padding and uses_transformer_engine():
-        # TE's causal kernels ignore our block-diagonal mask; packed THD inputs are not wired up.
-        _log("[train-rm] data.use_remove_padding is not supported with Transformer Engine yet: "
-             "padding instead")
-        config.data.use_remove_padding = False
+    config.data.use_remove_padding = packing_supported(
+        config.data.use_remove_padding, tag="train-rm")
     init_distributed()
     groups = build_parallel_groups(layout, source.arch.shape, seed=config.trainer.seed)
     plan = batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank,
@@ -165,7 +154,8 @@ def setup(config: RMConfig) -> Run:
     total = steps_per_epoch * config.trainer.total_epochs
     if config.trainer.max_steps:
         total = min(total, config.trainer.max_steps)
-    model = build_value_model(source, groups, _dtype(config), config.trainer.seed)
+    model = build_value_model(source, groups, training_dtype(config.model.dtype),
+                              config.trainer.seed)
     trainable = make_trainable(model, groups, config.optim, total)
     hf_config = reward_model_hf_config(source, pad_id(tokenizer))
     meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}

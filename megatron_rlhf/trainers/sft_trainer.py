@@ -25,12 +25,12 @@ from megatron_rlhf.data.chat import pad_id
 from megatron_rlhf.data.sft import SFTSample, load_samples, sft_batch
 from megatron_rlhf.distributed.launch import discover_rank, init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
-from megatron_rlhf.distributed.platform import platform_is_cpu
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.models.builder import build_model, uses_transformer_engine
+from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward, token_cross_entropy
 from megatron_rlhf.models.hf_config import padded_vocab_size
-from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics
+from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
+                                          training_dtype)
 from megatron_rlhf.trainers.loop import Run, epoch_order, fit
 
 METRIC_KEYS = ["loss", "target_tokens", "count", "tokens"]
@@ -127,8 +127,8 @@ def setup(config: SFTConfig) -> Run:
     arch, hf_dir, checkpoint, padded = _policy(config.model.path, layout)
     layout.resolve(discover_rank().world_size, arch.shape)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    if config.data.use_remove_padding and uses_transformer_engine():
-        config.data.use_remove_padding = False  # see rm_trainer: THD packing not wired up for TE
+    config.data.use_remove_padding = packing_supported(
+        config.data.use_remove_padding, tag="sft")
     init_distributed()
     groups = build_parallel_groups(layout, arch.shape, seed=config.trainer.seed)
     plan = batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank,
@@ -140,8 +140,7 @@ def setup(config: SFTConfig) -> Run:
                         f"data.train_batch_size={plan.per_step}")
     total = steps_per_epoch * config.trainer.total_epochs
     total = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
-    dtype = torch.float32 if config.model.dtype == "float32" or (
-        config.model.dtype == "auto" and platform_is_cpu()) else torch.bfloat16
+    dtype = training_dtype(config.model.dtype)
     if checkpoint is not None:
         model = load_model_checkpoint(checkpoint, groups)
     else:
