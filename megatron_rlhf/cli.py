@@ -18,28 +18,35 @@ EXIT_USER_ERROR = 2
 
 
 def _rm():
-    from megatron_rlhf.trainers.rm_trainer import train_rm
+    from megatron_rlhf.trainer.rm_trainer import train_rm
 
     return train_rm
 
 
 def _sft():
-    from megatron_rlhf.trainers.sft_trainer import train_sft
+    from megatron_rlhf.trainer.sft_trainer import train_sft
 
     return train_sft
 
 
-def _schema(name):
-    def load():
-        from megatron_rlhf.config import schema
+def _ppo():
+    from megatron_rlhf.trainer.main_ppo import train_ppo
 
-        return getattr(schema, name)
+    return train_ppo
+
+
+def _schema(name, module="schema"):
+    def load():
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_rlhf.config.{module}"), name)
 
     return load
 
 
 # job -> (config schema, trainer), imported only when the job runs
-TRAINERS = {"train-rm": (_schema("RMConfig"), _rm), "sft": (_schema("SFTConfig"), _sft)}
+TRAINERS = {"train-rm": (_schema("RMConfig"), _rm), "sft": (_schema("SFTConfig"), _sft),
+            "ppo": (_schema("PPOConfig", "ppo_schema"), _ppo)}
 
 
 def _size(text: str) -> int:
@@ -87,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         trainer.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-5")
         trainer.add_argument("--nproc-per-node", type=int, default=1,
                              help="launch this many local processes (ignored under torchrun/srun)")
+    ppo = jobs.add_parser("ppo", help="PPO / GRPO: Ray driver + Megatron worker groups")
+    ppo.add_argument("--config", help="YAML under configs/ppo/")
+    ppo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.ppo_epochs=2")
 
     tiny = jobs.add_parser("make-tiny-model", help="random tiny Qwen2 LM + tokenizer for the task")
     tiny.add_argument("--data-dir", required=True, help="folder written by tools/make_task_data.py")

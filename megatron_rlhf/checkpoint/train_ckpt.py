@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype_name
-from megatron_rlhf.trainers.engine import Trainable
+from megatron_rlhf.trainer.engine import Trainable
 
 PREFIX = "step_"
 

@@ -86,9 +86,9 @@ def pad_batch(batch: dict, rows: int, length: int, pad_id: int = 0) -> dict:
         return batch
     padded = dict(batch, real_shape=tuple(tokens.shape))
     padded["input_ids"] = torch.nn.functional.pad(tokens, (0, extra_cols, 0, extra_rows), value=pad_id)
-    for key in ("targets", "loss_mask"):  # per-token targets follow the tokens' shape
-        if key in batch:
-            padded[key] = torch.nn.functional.pad(batch[key], (0, extra_cols, 0, extra_rows))
+    for key, value in batch.items():  # per-token tensors (targets, masks) follow the tokens
+        if key != "input_ids" and torch.is_tensor(value) and value.shape == tokens.shape:
+            padded[key] = torch.nn.functional.pad(value, (0, extra_cols, 0, extra_rows))
     mask = batch.get("attention_mask")
     if mask is not None:
         mask = torch.nn.functional.pad(mask, (0, extra_cols, 0, extra_cols, 0, 0, 0, extra_rows),

@@ -17,7 +17,7 @@ from megatron_rlhf.config.schema import TrainerConfig
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import MetricsLogger
-from megatron_rlhf.trainers.engine import Trainable, reduce_metrics, train_step
+from megatron_rlhf.trainer.engine import Trainable, reduce_metrics, train_step
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""Start-up validation of the PPO config: every error names the key and the numbers."""
+
+from __future__ import annotations
+
+from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
+from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.errors import UserError
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise UserError(f"config: {name}={value!r} must be one of {', '.join(map(str, allowed))}")
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise UserError(f"config: {name}={value} must be positive")
+
+
+def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
+    """Checks that need no model or process group (layout checks follow in the workers)."""
+    d, a, r, alg, t = cfg.data, cfg.actor, cfg.rollout, cfg.algorithm, cfg.trainer
+    if not d.train_files:
+        raise UserError("config: data.train_files is empty")
+    for name, value in (("data.max_prompt_length", d.max_prompt_length),
+                        ("data.max_response_length", d.max_response_length),
+                        ("data.train_batch_size", d.train_batch_size),
+                        ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                        ("actor.ppo_micro_batch_size_per_rank", a.ppo_micro_batch_size_per_rank),
+                        ("actor.ppo_epochs", a.ppo_epochs), ("actor.optim.lr", a.optim.lr),
+                        ("critic.optim.lr", cfg.critic.optim.lr), ("rollout.n", r.n),
+                        ("rollout.tp", r.tp), ("rollout.bucket_size_mb", r.bucket_size_mb),
+                        ("trainer.total_epochs", t.total_epochs),
+                        ("trainer.n_gpus_per_node", t.n_gpus_per_node), ("trainer.nnodes", t.nnodes),
+                        ("trainer.log_every_steps", t.log_every_steps),
+                        ("trainer.keep_last_n", t.keep_last_n)):
+        _positive(name, value)
+    _choice("data.overlong", d.overlong, ("drop", "truncate"))
+    _choice("algorithm.adv_estimator", alg.adv_estimator, ("gae", "grpo", "rloo"))
+    _choice("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
+    _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ("fixed", "adaptive"))
+    _choice("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
+    _choice("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
+    _choice("actor.dtype", a.dtype, ("auto", "float32", "bfloat16"))
+    _choice("rollout.backend", r.backend, ("hf", "sglang"))
+    _choice("resource_pool.critic", cfg.resource_pool.critic, ("shared", "separate"))
+    _choice("trainer.logger", t.logger, ("tensorboard", "console"))
+    _choice("trainer.resume", t.resume, ("auto", "disable"))
+    if alg.adv_estimator in ("grpo", "rloo") and r.n < 2:
+        raise UserError(f"config: algorithm.adv_estimator={alg.adv_estimator} compares samples of "
+                        f"one prompt; set rollout.n >= 2 (got {r.n})")
+    if not (cfg.reward.model_path or cfg.reward.fn):
+        raise UserError("config: set reward.model_path (a reward model) and/or reward.fn "
+                        "(a rule-based reward)")
+    if a.clip_ratio_c and a.clip_ratio_c <= 1:
+        raise UserError(f"config: actor.clip_ratio_c={a.clip_ratio_c} must exceed 1 (0 disables)")
+    if not 0 < alg.gamma <= 1 or not 0 <= alg.lam <= 1:
+        raise UserError(f"config: algorithm.gamma={alg.gamma} must be in (0, 1] and "
+                        f"algorithm.lam={alg.lam} in [0, 1]")
+    if r.temperature < 0:
+        raise UserError(f"config: rollout.temperature={r.temperature} must be >= 0")
+    samples = d.train_batch_size * r.n
+    if samples % a.ppo_mini_batch_size:
+        raise UserError(f"config: a step's {samples} samples (data.train_batch_size x rollout.n) "
+                        f"are not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+    for name in ("save_every_steps", "eval_every_steps", "max_steps"):
+        if getattr(t, name) < 0:
+            raise UserError(f"config: trainer.{name}={getattr(t, name)} must be >= 0 (0: off)")
+    rb = t.rollback
+    if rb.kl_threshold < 0 or not 0 < rb.lr_factor <= 1 or rb.kl_coef_factor < 1 or rb.max_rollbacks < 0:
+        raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
+                        f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
+    return cfg
+
+
+def check_layout(cfg: PPOConfig, world: int, dp: int) -> None:
+    """Batch arithmetic once the data-parallel size is known."""
+    a = cfg.actor
+    if world % cfg.rollout.tp:
+        raise UserError(f"config: rollout.tp={cfg.rollout.tp} does not divide the {world} worker ranks")
+    per_rank = a.ppo_mini_batch_size // dp if a.ppo_mini_batch_size % dp == 0 else None
+    if per_rank is None or per_rank % a.ppo_micro_batch_size_per_rank:
+        raise UserError(f"config: actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must split into "
+                        f"{dp} data-parallel ranks x micro-batches of "
+                        f"actor.ppo_micro_batch_size_per_rank={a.ppo_micro_batch_size_per_rank}")

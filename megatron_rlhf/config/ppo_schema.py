@@ -1,0 +1,198 @@
+"""The PPO config tree (``megatron-rlhf ppo``). Names follow verl where verl has one, so a verl
+user's overrides (``actor.ppo_epochs=2``, ``algorithm.kl_ctrl.type=adaptive``) read the same.
+
+Batch units: ``data.train_batch_size`` counts prompts (global); with ``rollout.n`` samples per
+prompt one step holds ``train_batch_size * n`` samples. Mini- and micro-batch sizes count samples:
+``ppo_mini_batch_size`` is global, ``ppo_micro_batch_size_per_rank`` is per data-parallel rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatron_rlhf.config.schema import OptimConfig, ParallelConfig, TrainerConfig
+
+
+@dataclass
+class PPODataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """Prompt Parquet files: a ``prompt`` column (string or chat messages) and optionally the
+    rule-based checker's ``ground_truth`` column."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out prompts, same layout; validated greedily every ``trainer.eval_every_steps``."""
+    prompt_key: str = "prompt"
+    ground_truth_key: str = "ground_truth"
+    max_prompt_length: int = 512
+    """Longest prompt in tokens after the chat template; longer prompts follow ``overlong``."""
+    max_response_length: int = 512
+    """Tokens generated at most per sample."""
+    overlong: str = "drop"
+    """Prompts over ``max_prompt_length``: ``drop`` or ``truncate`` (keep the end)."""
+    train_batch_size: int = 64
+    """Prompts per PPO step, global."""
+    shuffle: bool = True
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"
+    """``fixed`` or ``adaptive`` (Ziegler et al. 2019: move the coefficient toward ``target_kl``)."""
+    kl_coef: float = 0.001
+    """Initial coefficient of the KL penalty in the reward."""
+    target_kl: float = 0.1
+    """Adaptive only: the per-sample KL the controller aims for."""
+    horizon: int = 10000
+    """Adaptive only: samples over which the coefficient adapts."""
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    """``gae`` (needs the critic), ``grpo`` or ``rloo`` (group baselines, no critic)."""
+    gamma: float = 0.99
+    """Discount per token."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Normalise advantages over the step's response tokens (GAE only)."""
+    use_kl_in_reward: bool = False
+    """Subtract ``kl_coef * KL_t`` from every response token's reward."""
+    kl_penalty: str = "k1"
+    """Estimator for the in-reward KL: k1, abs, k2/mse, k3/low_var_kl."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class ActorConfig:
+    model_path: str = "???"
+    """Policy to start from: HF ``*ForCausalLM`` folder or a megatron_rlhf checkpoint (e.g. SFT's).
+    The reference model is the same weights, frozen."""
+    dtype: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps_ratio=0.0))
+    ppo_mini_batch_size: int = 64
+    """Samples per optimizer step, global."""
+    ppo_micro_batch_size_per_rank: int = 16
+    """Samples per forward/backward on one data-parallel rank."""
+    ppo_epochs: int = 4
+    """Passes over each step's samples."""
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    """Lower clip (defaults to ``clip_ratio``); DAPO's clip-higher sets ``clip_ratio_high`` apart."""
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1; 0 disables)."""
+    entropy_coeff: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    use_kl_loss: bool = False
+    """Add ``kl_loss_coef * KL(actor || reference)`` to the actor loss (GRPO style)."""
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+
+@dataclass
+class CriticConfig:
+    model_path: Optional[str] = None
+    """Value model: HF LM / classifier / reward-model checkpoint; default the actor's start."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps_ratio=0.0))
+    cliprange_value: float = 0.5
+    """Clip of the new value around the old one, in reward units (0 disables)."""
+    ppo_epochs: Optional[int] = None
+    """Defaults to ``actor.ppo_epochs``."""
+    parallel: Optional[ParallelConfig] = None
+    """Only with ``resource_pool.critic=separate``; otherwise the actor's layout."""
+
+
+@dataclass
+class RewardConfig:
+    model_path: Optional[str] = None
+    """Bradley-Terry reward model checkpoint from ``train-rm`` (or an HF classifier)."""
+    fn: Optional[str] = None
+    """Rule-based reward from the registry (``megatron_rlhf.rewards.registry``), e.g.
+    ``addition``; it also gives ``reward/oracle_mean``."""
+    rm_weight: float = 1.0
+    fn_weight: float = 1.0
+    """The score is ``rm_weight * rm + fn_weight * fn`` over the configured sources."""
+    oracle_fn: Optional[str] = None
+    """A checker only measured (``reward/oracle_mean``, validation accuracy), never trained on."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    """``hf`` (transformers generation with KV cache, CPU or GPU) or ``sglang`` (GPU)."""
+    tp: int = 1
+    """Generator tensor-parallel size; generator data-parallel size is world / tp."""
+    n: int = 1
+    """Samples per prompt (GRPO/RLOO need > 1)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables."""
+    stop: list[str] = field(default_factory=list)
+    """Extra stop strings (each must be one token); EOS always stops."""
+    seed: int = 0
+    """Sampling seed, combined with the step and the generator rank."""
+    bucket_size_mb: float = 512.0
+    """Weight-sync bucket: at most this many MiB of weights in flight per rank."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature (0: greedy)."""
+
+
+@dataclass
+class RollbackConfig:
+    kl_threshold: float = 0.0
+    """Roll back when mean KL(actor || reference) per token exceeds this (0: off). NaN/inf losses
+    always roll back when a checkpoint exists."""
+    lr_factor: float = 0.5
+    """Actor (and critic) learning rate is multiplied by this on each rollback."""
+    kl_coef_factor: float = 2.0
+    """KL coefficient (in-reward and loss) is multiplied by this on each rollback."""
+    max_rollbacks: int = 3
+    """Stop the run after this many rollbacks."""
+
+
+@dataclass
+class PPOTrainerConfig(TrainerConfig):
+    output_dir: str = "runs/ppo"
+    n_gpus_per_node: int = 1
+    """Worker processes per node (one per GPU; on CPU one per process you give it)."""
+    nnodes: int = 1
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    val_before_train: bool = True
+    """Validate the starting policy, so the first and last validation rows compare."""
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    """Join this cluster (``auto`` or ``host:port``); default: start a local one for this run."""
+    num_cpus: Optional[int] = None
+    """Logical CPUs of a local cluster (default: one per worker plus one)."""
+    object_store_mb: int = 256
+    """Object store of a local cluster."""
+
+
+@dataclass
+class ResourcePoolConfig:
+    critic: str = "shared"
+    """``shared``: critic and reward model live in the actor's workers (time-shared);
+    ``separate``: their own worker group of ``critic_world_size`` processes."""
+    critic_world_size: int = 1
+
+
+@dataclass
+class PPOConfig:
+    """``megatron-rlhf ppo``: PPO/GRPO from a policy and a reward (model and/or rule)."""
+
+    data: PPODataConfig = field(default_factory=PPODataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)

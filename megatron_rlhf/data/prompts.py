@@ -1,0 +1,45 @@
+"""PPO prompts: Parquet with a prompt column (string or chat messages) and, for rule-based
+rewards, a ground-truth column. Rendered with the chat template up to the assistant's turn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rlhf.data.chat import as_messages, render_prompt
+from megatron_rlhf.data.parquet import read_table
+from megatron_rlhf.data.preference import LengthReport
+from megatron_rlhf.errors import UserError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    ground_truth: str | None
+
+
+def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key: str,
+                 max_prompt: int, overlong: str, need_ground_truth: bool
+                 ) -> tuple[list[Prompt], LengthReport]:
+    """Read, check and tokenise every file; :class:`UserError` names the file, column and row."""
+    prompts, report = [], LengthReport(files=list(files), item="prompts")
+    required = (prompt_key,) + ((ground_truth_key,) if need_ground_truth else ())
+    for path in files:
+        table = read_table(path, required)
+        texts = table.column(prompt_key).to_pylist()
+        truths = (table.column(ground_truth_key).to_pylist()
+                  if ground_truth_key in table.column_names else [None] * len(texts))
+        for row, (text, truth) in enumerate(zip(texts, truths)):
+            where = f"{path}: column {prompt_key!r} row {row}"
+            ids = render_prompt(tokenizer, as_messages(text, "user", where))
+            if need_ground_truth and (truth is None or str(truth).strip() == ""):
+                raise UserError(f"{path}: column {ground_truth_key!r} row {row} is empty")
+            report.total += 1
+            if len(ids) > max_prompt:
+                if overlong == "drop":
+                    report.dropped += 1
+                    continue
+                ids, report.truncated = ids[-max_prompt:], report.truncated + 1
+            prompts.append(Prompt(tuple(ids), None if truth is None else str(truth)))
+    if not prompts:
+        raise UserError(f"no usable prompts in {', '.join(files)} ({report})")
+    return prompts, report

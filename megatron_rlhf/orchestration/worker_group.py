@@ -1,0 +1,146 @@
+"""Worker groups: N Ray actors forming one torch.distributed world with one parallel layout.
+
+The driver calls a method on every rank at once (:meth:`WorkerGroup.call`); results come back in
+rank order. A rank that dies or raises makes the call fail at once with the rank's name and
+error instead of leaving the driver waiting on the ranks stuck in a collective with it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from megatron_rlhf.errors import UserError
+
+
+class WorkerFailed(UserError):
+    """A worker raised or died; the message names the group, the rank and the cause."""
+
+
+def _worker_class():
+    import ray
+
+    @ray.remote
+    class RankActor:
+        """One rank: sets the torch.distributed environment, then hosts a worker object."""
+
+        def address(self) -> tuple[str, int]:
+            import socket
+
+            import ray as _ray
+
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            return _ray.util.get_node_ip_address(), port
+
+        def init(self, rank: int, world_size: int, master: tuple[str, int], threads: int) -> int:
+            import torch
+
+            from megatron_rlhf.cli import _quiet_cpu_warnings
+            from megatron_rlhf.distributed.launch import init_distributed
+
+            _quiet_cpu_warnings()
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                              LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0],
+                              MASTER_PORT=str(master[1]), OMP_NUM_THREADS=str(threads))
+            torch.set_num_threads(threads)
+            return init_distributed().rank
+
+        def build(self, factory, *args, **kwargs) -> None:
+            self.obj = factory(*args, **kwargs)
+
+        def call(self, method: str, *args, **kwargs):
+            return getattr(self.obj, method)(*args, **kwargs)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return RankActor
+
+
+class WorkerGroup:
+    """``world_size`` ranks placed in one placement group (one bundle per rank)."""
+
+    def __init__(self, name: str, world_size: int, use_gpu: bool, threads_per_rank: int = 1):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.world_size = name, world_size
+        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        self.placement = placement_group([bundle] * world_size, strategy="PACK")
+        ready, _ = ray.wait([self.placement.ready()], timeout=120)
+        if not ready:
+            raise UserError(f"worker group {name}: Ray could not place {world_size} ranks with "
+                            f"{bundle} each within 120 s (cluster resources: "
+                            f"{ray.cluster_resources()})")
+        actor = _worker_class()
+        self.actors = [
+            actor.options(num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                              placement_group=self.placement, placement_group_bundle_index=i),
+                          ).remote()
+            for i in range(world_size)]
+        master = self._get([self.actors[0].address.remote()], "address")[0]
+        self._get([a.init.remote(rank, world_size, master, threads_per_rank)
+                   for rank, a in enumerate(self.actors)], "init_distributed")
+
+    def build(self, factory, *args, **kwargs) -> None:
+        """Construct ``factory(*args, **kwargs)`` on every rank (collectively)."""
+        self._get([a.build.remote(factory, *args, **kwargs) for a in self.actors], "build")
+
+    def call(self, method: str, *args, **kwargs) -> list[Any]:
+        """``worker.method(*args, **kwargs)`` on every rank; results in rank order."""
+        import ray
+
+        # One object-store copy of large arguments, shared by every rank.
+        args = tuple(ray.put(a) if _large(a) else a for a in args)
+        return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors], method)
+
+    def _get(self, refs: list, what: str) -> list[Any]:
+        import ray
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as err:  # RayActorError (died) or RayTaskError (raised)
+                    rank = refs.index(ref)
+                    self.shutdown()
+                    raise WorkerFailed(f"worker group {self.name!r} rank {rank} failed in "
+                                       f"{what}: {_cause(err)}") from None
+        return ray.get(refs)
+
+    def pids(self) -> list[int]:
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        try:
+            ray.util.remove_placement_group(self.placement)
+        except Exception:  # already gone with the cluster
+            pass
+        time.sleep(0.1)
+
+
+def _large(value) -> bool:
+    return isinstance(value, dict) and any(hasattr(v, "numel") and v.numel() > 4096
+                                           for v in value.values())
+
+
+def _cause(err: Exception) -> str:
+    """The worker's own exception line rather than Ray's wrapper."""
+    cause = getattr(err, "cause", None)
+    if cause is not None and not isinstance(cause, type(err)):
+        return f"{type(cause).__name__}: {cause}"
+    text = str(err).strip().splitlines()
+    return text[-1] if text else type(err).__name__

@@ -1,0 +1,1 @@
+"""Rollout engines behind one protocol (:mod:`.base`), and the weight sync that feeds them."""

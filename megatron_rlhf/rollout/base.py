@@ -1,0 +1,55 @@
+"""The generator protocol every rollout backend implements.
+
+A backend turns prompts (token ids) into sampled responses with their log-probs, accepts new
+weights by Hugging Face name (from :mod:`megatron_rlhf.rollout.weight_sync`), and can give its
+memory back while the trainer runs (time sharing on one device, as in a hybrid engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    """Tokens generated at most per sample."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables."""
+    n: int = 1
+    """Samples per prompt."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Generation of a sample ends after any of these (EOS is always one)."""
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    """Index into the prompts passed to ``generate``."""
+    tokens: list[int]
+    """Response tokens, including the stop token that ended it (if any)."""
+    logprobs: list[float]
+    """``log p(token)`` under the generator's logits at temperature 1 (before top-p/top-k)."""
+    finished: bool
+    """True if a stop token ended it, False if it hit ``max_tokens``."""
+
+
+class Generator(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """``params.n`` generations per prompt, prompt-major (prompt 0's samples first)."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full (unsharded) HF-named tensors into the engine; called bucket by bucket."""
+
+    def release_memory(self) -> None:
+        """Free weights and caches; ``resume_memory`` + a full weight sync bring them back."""
+
+    def resume_memory(self) -> None:
+        ...

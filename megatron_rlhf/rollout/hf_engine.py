@@ -1,0 +1,153 @@
+"""The ``hf`` rollout backend: transformers' ``generate`` (KV cache, batched, left-padded) on the
+policy's Hugging Face architecture, fed by the trainer's weight sync.
+
+It runs on CPU (the demo, the tests) and on GPU; SGLang (:mod:`.sglang_engine`) is the fast GPU
+backend behind the same protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megatron_rlhf.rollout.base import Generation, SamplingParams
+
+
+class HFGenerator:
+    """One generator replica. With ``tp_size > 1`` the replica spans the ranks of the calling
+    torch.distributed world (transformers' tensor parallelism over DTensor; gloo on CPU), and
+    every rank of it must make the same calls with the same prompts."""
+
+    def __init__(self, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
+                 device: str = "cpu", max_batch: int = 256, tp_size: int = 1):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+        if tp_size == 1:
+            with torch.device(device):
+                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        else:
+            self.model = _tensor_parallel_model(config, dtype, tp_size)
+        self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
+        self._params = dict(self.model.named_parameters())
+        self._shapes = {n: p.shape for n, p in self._params.items()}
+        self._tied = {n for n in self.model.state_dict() if n not in self._params}
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                param = self._params.get(name)
+                if param is None:
+                    if name in self._tied:
+                        continue  # a tied alias of a parameter loaded under its own name
+                    raise KeyError(f"rollout engine has no parameter {name!r}")
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the "
+                                     f"engine expects {tuple(param.shape)}")
+                _local(param).copy_(_local_shard(param, tensor))
+
+    def release_memory(self) -> None:
+        """Drop the weight storage (a DTensor keeps its local shard: TP engines stay resident)."""
+        for param in self._params.values():
+            if not _is_dtensor(param):
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._released = True
+
+    def resume_memory(self) -> None:
+        for name, param in self._params.items():
+            if not _is_dtensor(param) and param.numel() == 0 and self._shapes[name].numel():
+                param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        out: list[Generation] = []
+        torch.manual_seed(params.seed)  # one seed per call: resumed runs sample the same tokens
+        for start in range(0, len(rows), self.max_batch):
+            out += self._generate_chunk(prompts, rows[start:start + self.max_batch], params)
+        return out
+
+    def _generate_chunk(self, prompts, rows, params: SamplingParams) -> list[Generation]:
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        stops = [self.eos_id, *[s for s in params.stop_token_ids if s != self.eos_id]]
+        sample = params.temperature > 0
+        kwargs = dict(do_sample=sample, max_new_tokens=params.max_tokens, eos_token_id=stops,
+                      pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+        if sample:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k or None)
+        else:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        result = self.model.generate(input_ids=ids.to(self.device),
+                                     attention_mask=mask.to(self.device), **kwargs)
+        new = result.sequences[:, width:].cpu()
+        logits = torch.stack(result.logits, dim=1).float().cpu()  # [rows, new, V]
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        out = []
+        for r, i in enumerate(rows):
+            tokens, finished = new[r].tolist(), False
+            for k, token in enumerate(tokens):
+                if token in stops:
+                    tokens, finished = tokens[:k + 1], True
+                    break
+            out.append(Generation(i, tokens, chosen[r, :len(tokens)].tolist(), finished))
+        return out
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _local(param):
+    return param.to_local() if _is_dtensor(param) else param
+
+
+def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` for a DTensor parameter (Shard(d) cuts like ``chunk``)."""
+    if not _is_dtensor(param):
+        return full
+    from torch.distributed.tensor import Shard
+
+    piece = full
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            size = param.device_mesh.size(mesh_dim)
+            coordinate = param.device_mesh.get_coordinate()[mesh_dim]
+            piece = piece.chunk(size, dim=placement.dim)[coordinate]
+    return piece
+
+
+def _tensor_parallel_model(config, dtype: torch.dtype, tp_size: int):
+    """transformers' TP plan over the running world: it loads through ``from_pretrained``, so a
+    randomly initialised copy is written once to a scratch folder (the weight sync that always
+    follows replaces every value)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    if dist.get_world_size() != tp_size:
+        raise ValueError(f"the hf rollout backend supports rollout.tp = 1 or the worker group's "
+                         f"world size ({dist.get_world_size()}), not {tp_size}")
+    box = [tempfile.mkdtemp(prefix="mrlhf_tp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(box[0])
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(
+        box[0], dtype=dtype, distributed_config=DistributedConfig(tp_size=tp_size)).eval()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(box[0], ignore_errors=True)
+    return model

@@ -1,0 +1,62 @@
+"""The ``sglang`` rollout backend (GPU only; ``pip install -e .[gpu]``).
+
+The first rank of each generator replica starts an in-process ``sglang.Engine`` with
+``tp_size=rollout.tp`` (SGLang shards the full HF tensors it is given itself); the other ranks of
+the replica only take part in the weight sync. Weights arrive through
+``update_weights_from_tensor`` bucket by bucket; ``release_memory_occupation`` frees the KV cache
+and weights while the trainer runs. Not runnable on CPU: SGLang needs CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from megatron_rlhf.config.ppo_schema import RolloutConfig
+from megatron_rlhf.rollout.base import Generation, SamplingParams
+
+
+class SGLangGenerator:
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, dtype: torch.dtype):
+        import torch.distributed as dist
+
+        self.cfg, self.engine = cfg, None
+        if dist.get_rank() % cfg.tp == 0:
+            import sglang
+
+            self.engine = sglang.Engine(
+                model_path=hf_dir, tp_size=cfg.tp, dtype=str(dtype).removeprefix("torch."),
+                load_format="dummy",  # real weights arrive with the first sync
+                enable_memory_saver=True, mem_fraction_static=0.5,
+                base_gpu_id=torch.cuda.current_device(), random_seed=cfg.seed)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.engine is not None:
+            self.engine.update_weights_from_tensor(named_tensors=list(named_tensors))
+
+    def release_memory(self) -> None:
+        if self.engine is not None:
+            self.engine.release_memory_occupation()
+
+    def resume_memory(self) -> None:
+        if self.engine is not None:
+            self.engine.resume_memory_occupation()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.engine is None:
+            return []
+        rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        sampling = {"max_new_tokens": params.max_tokens, "temperature": params.temperature,
+                    "top_p": params.top_p, "top_k": params.top_k or -1,
+                    "stop_token_ids": params.stop_token_ids, "sampling_seed": params.seed}
+        outputs = self.engine.generate(input_ids=[prompts[i] for i in rows],
+                                       sampling_params=sampling, return_logprob=True)
+        result = []
+        for row, out in zip(rows, outputs):
+            meta = out["meta_info"]
+            tokens = [token for _, token, _ in meta["output_token_logprobs"]]
+            logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
+            finished = (meta.get("finish_reason") or {}).get("type") == "stop"
+            result.append(Generation(row, tokens, logprobs, finished))
+        return result

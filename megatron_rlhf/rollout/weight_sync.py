@@ -1,0 +1,140 @@
+"""Resharding weight sync: trainer layout (TP x PP x DP) -> the generator's HF-named weights.
+
+The actor's parameters are cut into fixed-size buckets, each bucket owned by one pipeline stage.
+For every bucket the owner stage puts its local TP shards into one flat buffer and all-gathers it
+over the TP group (one collective per bucket), unshards and renames the tensors to Hugging Face
+names, packs them into one flat bucket and, with PP > 1, broadcasts it from the owner stage to
+the other stages. Every rank then hands the bucket's tensors to its own generator replica (which
+keeps its TP shard of them). Data-parallel replicas each feed their own generator, so nothing
+crosses DP groups. At any time a rank holds at most one extra bucket (plus its gathered shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.convert.mapping import layer_offsets, mapped_parameters, rule_for, tp_unshard
+from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.models.hf_config import ModelArch
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One Megatron parameter of one stage and the HF tensors it turns into."""
+
+    stage: int
+    name: str  # Megatron name, local to its stage
+    local_shape: tuple[int, ...]  # this TP rank's shard
+    hf: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, full shape) per produced tensor
+
+    @property
+    def hf_numel(self) -> int:
+        return sum(_numel(shape) for _, shape in self.hf)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class WeightSync:
+    """Plans buckets once (collectively) and streams them on every :meth:`sync`."""
+
+    def __init__(self, model, arch: ModelArch, groups: ParallelGroups, padded_vocab: int,
+                 bucket_bytes: int):
+        self.model, self.arch, self.groups = model, arch, groups
+        self.padded_vocab = padded_vocab
+        self.dtype = next(model.parameters()).dtype
+        self.bucket_bytes = max(int(bucket_bytes), 1)
+        self._offsets = layer_offsets(model)
+        mine = [self._entry(name, param) for name, param in mapped_parameters(model)]
+        stages: list[list[Entry]] = [None] * groups.layout.pp
+        dist.all_gather_object(stages, mine, group=groups.pp)
+        self.buckets = self._plan([e for stage in stages for e in stage])
+        self._pp_ranks = dist.get_process_group_ranks(groups.pp) if groups.layout.pp > 1 else None
+
+    def _entry(self, name: str, param: torch.Tensor) -> Entry:
+        rule = rule_for(name, self.arch, self.padded_vocab, self._offsets)
+        full = tp_unshard([torch.empty(param.shape, device="meta")] * self.groups.layout.tp,
+                          rule.tp_cut)
+        hf = tuple((n, tuple(t.shape)) for n, t in zip(rule.hf_names, rule.split(full)))
+        return Entry(self.groups.pp_rank, name, tuple(param.shape), hf)
+
+    def _plan(self, entries: list[Entry]) -> list[list[Entry]]:
+        """Consecutive entries of one stage, up to ``bucket_bytes`` (a bigger tensor goes alone).
+
+        A tied embedding shows up on the first and the last stage; only the first copy is sent.
+        """
+        seen: set[str] = set()
+        buckets: list[list[Entry]] = []
+        size = self.dtype.itemsize
+        for entry in entries:
+            if all(n in seen for n, _ in entry.hf):
+                continue
+            seen.update(n for n, _ in entry.hf)
+            last = buckets[-1] if buckets else None
+            if (last and last[0].stage == entry.stage and
+                    (sum(e.hf_numel for e in last) + entry.hf_numel) * size <= self.bucket_bytes):
+                last.append(entry)
+            else:
+                buckets.append([entry])
+        return buckets
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.hf_numel for b in self.buckets for e in b) * self.dtype.itemsize
+
+    def _gather_bucket(self, bucket: list[Entry]) -> torch.Tensor:
+        """On the owner stage: one flat buffer of the bucket's full HF tensors, in entry order."""
+        params = dict(mapped_parameters(self.model))
+        locals_ = [params[e.name].detach() for e in bucket]
+        tp = self.groups.layout.tp
+        if tp > 1:
+            flat = torch.cat([t.reshape(-1) for t in locals_])
+            gathered = [torch.empty_like(flat) for _ in range(tp)]
+            dist.all_gather(gathered, flat, group=self.groups.tp)
+        pieces, offset = [], 0
+        for entry, local in zip(bucket, locals_):
+            rule = rule_for(entry.name, self.arch, self.padded_vocab, self._offsets)
+            if tp > 1:
+                shards = [g[offset:offset + local.numel()].view(local.shape) for g in gathered]
+                offset += local.numel()
+            else:
+                shards = [local]
+            pieces += [t.reshape(-1) for t in rule.split(tp_unshard(shards, rule.tp_cut))]
+        return torch.cat(pieces)
+
+    def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield each bucket's ``(hf_name, full tensor)`` list on every rank, in plan order."""
+        for bucket in self.buckets:
+            owner = bucket[0].stage
+            if owner == self.groups.pp_rank:
+                flat = self._gather_bucket(bucket)
+            else:
+                numel = sum(e.hf_numel for e in bucket)
+                flat = torch.empty(numel, dtype=self.dtype, device=next(self.model.parameters()).device)
+            if self._pp_ranks is not None:
+                dist.broadcast(flat, src=self._pp_ranks[owner], group=self.groups.pp)
+            named, offset = [], 0
+            for entry in bucket:
+                for name, shape in entry.hf:
+                    count = _numel(shape)
+                    named.append((name, flat[offset:offset + count].view(shape)))
+                    offset += count
+            yield named
+            del flat, named
+
+    @torch.no_grad()
+    def sync(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> dict[str, float]:
+        """Stream every bucket into ``load`` (the local generator's ``load_weights``)."""
+        count = 0
+        for named in self.iter_buckets():
+            load(named)
+            count += 1
+        return {"buckets": float(count), "bytes": float(self.total_bytes)}

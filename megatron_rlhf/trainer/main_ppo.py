@@ -1,0 +1,204 @@
+"""``megatron-rlhf ppo`` / ``python -m megatron_rlhf.trainer.main_ppo``: the PPO driver.
+
+    python -m megatron_rlhf.trainer.main_ppo --config configs/ppo/tiny_cpu.yaml actor.ppo_epochs=2
+
+The driver starts (or joins) Ray, places the worker groups, and runs :func:`fit`, whose loop is
+the whole algorithm: generate -> score -> experience -> advantages -> update -> sync weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.distributed.layout import ParallelLayout
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, kl_controller, summarize_rollout
+from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages, sample_kl, token_kl
+
+
+def fit(run: PPORun) -> dict[str, float]:
+    """The PPO loop. Every phase is a method of ``run`` or a pure function; ``timing/*`` per phase."""
+    cfg, alg = run.cfg, run.cfg.algorithm
+    while run.step < run.total_steps:
+        timer, prompts = Timer(), run.step_prompts(run.step)
+        with timer("gen"):
+            gens = run.generate(prompts, run.sampling(run.step))
+        batch = build_batch([p.ids for p in prompts], gens, run.pad_id)
+        with timer("reward_values"):
+            scored = run.scores(prompts, gens, batch)
+        with timer("old_ref_log_prob"):
+            run.log_probs(batch)
+        with timer("adv"):
+            adv = compute_advantages(batch, scored["score"], alg, run.kl_ctrl.value)
+            batch.update(advantages=adv["advantages"], returns=adv["returns"])
+        with timer("update_critic"):
+            metrics = run.critic.call("update_critic", batch, run.step)[0] if alg.adv_estimator == "gae" else {}
+        with timer("update_actor"):
+            metrics |= run.actor.call("update_actor", batch, run.step, run.kl_ctrl.value)[0]
+        metrics["actor/kl"] = metrics.pop("actor/kl_loss")
+        reason = run.guard_reason(metrics)
+        if reason is not None:
+            run.rollback(reason)
+            continue
+        with timer("sync"):
+            run.actor.call("sync_weights")
+        run.kl_ctrl.update(sample_kl(adv["kl"], batch["loss_mask"]), len(gens))
+        run.step += 1
+        metrics |= summarize_rollout(gens, scored, batch, adv) | timer
+        metrics |= {"rollout/kl_ref": token_kl(adv["kl"], batch["loss_mask"]),
+                    "actor/kl_coef": run.kl_ctrl.value, "step": run.step}
+        run.logger.count(len(gens), float(batch["lengths"].sum()))
+        if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
+            shown = {k.split("/")[-1]: metrics[k] for k in ("reward/score_mean", "actor/kl") if k in metrics}
+            metrics |= run.logger.progress(run.step, "samples", shown)
+        if cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0:
+            metrics |= run.validate(run.step)
+        run.record(metrics)
+        if cfg.trainer.save_every_steps and run.step % cfg.trainer.save_every_steps == 0:
+            run.save()
+    return run.history[-1] if run.history else {}
+
+
+def setup(cfg: PPOConfig) -> PPORun:
+    """Ray, worker groups, data, resume: everything :func:`fit` needs."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
+    from megatron_rlhf.data.prompts import load_prompts
+    from megatron_rlhf.orchestration.cluster import start_ray
+    from megatron_rlhf.trainer.ppo_worker import policy_files
+
+    validate_ppo_config(cfg)
+    arch, hf_dir = policy_files(cfg.actor.model_path)
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    layout = ParallelLayout(tp=cfg.actor.parallel.tp, pp=cfg.actor.parallel.pp).resolve(world, arch.shape)
+    check_layout(cfg, world, layout.dp)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
+    limits = dict(tokenizer=tokenizer, prompt_key=cfg.data.prompt_key,
+                  ground_truth_key=cfg.data.ground_truth_key, max_prompt=cfg.data.max_prompt_length,
+                  overlong=cfg.data.overlong, need_ground_truth=need_truth)
+    train, report = load_prompts(cfg.data.train_files, **limits)
+    val = load_prompts(cfg.data.val_files, **limits)[0] if cfg.data.val_files else []
+    steps_per_epoch = len(train) // cfg.data.train_batch_size
+    if steps_per_epoch == 0:
+        raise UserError(f"config: {len(train)} prompts are fewer than data.train_batch_size="
+                        f"{cfg.data.train_batch_size}")
+    total = steps_per_epoch * cfg.trainer.total_epochs
+    total = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps else total
+    stop_ids = _stop_ids(tokenizer, cfg.rollout.stop)
+    use_gpu = torch.cuda.is_available()
+    separate = cfg.resource_pool.critic == "separate"
+    started = start_ray(cfg.ray, world + (cfg.resource_pool.critic_world_size if separate else 0), use_gpu)
+    try:
+        return _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val,
+                      tokenizer, stop_ids, report)
+    except BaseException:
+        from megatron_rlhf.orchestration.cluster import stop_ray
+
+        stop_ray(started)
+        raise
+
+
+def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val, tokenizer,
+           stop_ids, report) -> PPORun:
+    """Worker groups on the Ray cluster: actor (+ critic when shared), or a critic group apart."""
+    from megatron_rlhf.config.ppo_checks import check_layout
+    from megatron_rlhf.orchestration.worker_group import WorkerGroup
+    from megatron_rlhf.rewards.registry import get_reward_fn
+    from megatron_rlhf.trainer.ppo_worker import PPOWorker
+
+    separate = cfg.resource_pool.critic == "separate"
+    need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
+    updates = total * cfg.actor.ppo_epochs * (len(train[:cfg.data.train_batch_size]) * cfg.rollout.n
+                                              // cfg.actor.ppo_mini_batch_size)
+    threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // world)
+    actor = WorkerGroup("actor", world, use_gpu, threads)
+    roles = ("actor",) if separate else ("actor", "critic")
+    actor.build(PPOWorker, cfg, roles, layout, updates)
+    critic = actor
+    if separate:
+        size = cfg.resource_pool.critic_world_size
+        par = cfg.critic.parallel or cfg.actor.parallel
+        critic_layout = ParallelLayout(tp=par.tp, pp=par.pp).resolve(size, arch.shape)
+        check_layout(cfg, size, critic_layout.dp)
+        critic = WorkerGroup("critic", size, use_gpu, threads)
+        critic.build(PPOWorker, cfg, ("critic",), critic_layout, updates)
+    run = PPORun(cfg, actor, critic, tokenizer, train, val, stop_ids,
+                 get_reward_fn(cfg.reward.fn) if cfg.reward.fn else None,
+                 get_reward_fn(cfg.reward.oracle_fn or cfg.reward.fn) if need_truth else None,
+                 total, steps_per_epoch, kl_controller(cfg), ray_started=started)
+    run.log(f"prompts: {report}; layout {layout}; {world} worker rank(s)"
+            f"{f' + {cfg.resource_pool.critic_world_size} critic rank(s)' if separate else ''}; "
+            f"{total} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}")
+    return run
+
+
+def _stop_ids(tokenizer, stops: list[str]) -> list[int]:
+    ids = []
+    for text in stops:
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(tokens) != 1:
+            raise UserError(f"config: rollout.stop entry {text!r} is {len(tokens)} tokens; each stop "
+                            "string must be a single token")
+        ids += tokens
+    return ids
+
+
+def start(run: PPORun) -> None:
+    """Resume (or refuse to overwrite), open the logs, first weight sync, first validation."""
+    from megatron_rlhf.monitoring import MetricsLogger
+
+    out, t = run.out, run.cfg.trainer
+    out.mkdir(parents=True, exist_ok=True)
+    saved = run.checkpoints()
+    if t.resume == "disable" and (saved or (out / "metrics.jsonl").is_file()):
+        raise UserError(f"{out} already holds a run; with trainer.resume=disable choose an empty "
+                        "trainer.output_dir")
+    if saved and t.resume == "auto":
+        run.restore(saved[-1])
+        run.log(f"resumed from step {saved[-1]} ({run.ckpt_root})")
+    else:
+        run.trim_metrics(0)
+        run.actor.call("sync_weights")
+    run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step)
+    if run.step == 0 and t.val_before_train and run.val:
+        run.record({"step": 0, **run.validate(0)})
+
+
+def train_ppo(cfg: PPOConfig) -> dict[str, float]:
+    from megatron_rlhf.orchestration.cluster import stop_ray
+
+    run = None
+    try:
+        run = setup(cfg)
+        start(run)
+        last = fit(run)
+        if run.val and not (cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0):
+            last = {**last, **run.validate(run.step)}
+            run.record({"step": run.step, **{k: v for k, v in last.items() if k.startswith("val/")}})
+        if not run.checkpoints() or run.checkpoints()[-1] != run.step:
+            run.save()
+        run.log(f"done: {run.step} steps; checkpoints in {run.ckpt_root}")
+        return last
+    finally:
+        if run is not None:
+            if run.logger is not None:
+                run.logger.close()
+            for group in {id(run.actor): run.actor, id(run.critic): run.critic}.values():
+                group.shutdown()
+            stop_ray(run.ray_started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_rlhf.cli import main as cli_main
+
+    return cli_main(["ppo", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The PPO driver's state and the phases the loop in :mod:`main_ppo` calls, one method each.
+
+The driver holds data, the KL controller, the step counter and the logs; models live in Ray
+worker groups (:class:`PPOWorker`). Everything the driver computes is pure tensor math on the
+whole step's batch, so advantage whitening and group baselines see every sample.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController
+from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
+from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.data.prompts import Prompt
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.monitoring import MetricsLogger
+from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.trainer.loop import epoch_order
+from megatron_rlhf.trainer.ppo_experience import build_batch
+
+
+class Timer(dict):
+    """``with timer("gen"):`` adds ``timing/gen`` seconds."""
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self[f"timing/{name}"] = self.get(f"timing/{name}", 0.0) + time.perf_counter() - start
+
+
+def kl_controller(cfg: PPOConfig):
+    k = cfg.algorithm.kl_ctrl
+    if k.type == "adaptive":
+        return AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon)
+    return FixedKLController(k.kl_coef)
+
+
+def stitch(results: list) -> list:
+    """Per-rank ``(dp_rank, value)`` results (``None`` from non-output ranks) in DP order."""
+    return [value for _, value in sorted((r for r in results if r is not None), key=lambda r: r[0])]
+
+
+def cat_rows(parts: list) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts)
+
+
+@dataclass
+class PPORun:
+    cfg: PPOConfig
+    actor: object  # WorkerGroup with the actor role
+    critic: object  # WorkerGroup with the critic role (the same group when shared)
+    tokenizer: object
+    train: list[Prompt]
+    val: list[Prompt]
+    stop_ids: list[int]
+    reward_fn: object
+    oracle_fn: object
+    total_steps: int
+    steps_per_epoch: int
+    kl_ctrl: object = None
+    step: int = 0
+    lr_scale: float = 1.0
+    rollbacks: int = 0
+    logger: MetricsLogger | None = None
+    history: list[dict] = field(default_factory=list)
+    ray_started: bool = False
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.trainer.output_dir)
+
+    def log(self, message: str) -> None:
+        print(f"[ppo] {message}", flush=True)
+
+    # ------------------------------------------------------------------ data and rollout
+    def step_prompts(self, step: int) -> list[Prompt]:
+        size = self.cfg.data.train_batch_size
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = epoch_order(len(self.train), self.cfg.trainer.seed, epoch, self.cfg.data.shuffle)
+        return [self.train[i] for i in order[index * size:(index + 1) * size]]
+
+    def sampling(self, step: int, validation: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(max_tokens=self.cfg.data.max_response_length,
+                              temperature=r.val_temperature if validation else r.temperature,
+                              top_p=1.0 if validation else r.top_p,
+                              top_k=0 if validation else r.top_k, n=1 if validation else r.n,
+                              stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step)
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Generation]:
+        ids = [list(p.ids) for p in prompts]
+        per_replica = self.actor.call("generate", ids, params)
+        out, offset = [], 0
+        for part in stitch(per_replica):
+            for g in part:
+                out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
+            offset += len({g.prompt_index for g in part})
+        self.actor.call("release_rollout")
+        return out
+
+    # ------------------------------------------------------------------ scoring and experience
+    def scores(self, prompts: list[Prompt], gens: list[Generation], batch: dict) -> dict:
+        """Sequence scores [N] (the training signal) and the oracle's, when one exists."""
+        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
+        truths = [prompts[g.prompt_index].ground_truth for g in gens]
+        values, rm = (cat_rows(parts) for parts in zip(*stitch(self.critic.call("compute_values", batch))))
+        batch["values"] = values
+        r = self.cfg.reward
+        score = torch.zeros(len(gens))
+        if rm is not None:
+            score += r.rm_weight * rm
+        if self.reward_fn is not None:
+            score += r.fn_weight * torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, truths)])
+        out = {"score": score, "rm": rm}
+        if self.oracle_fn is not None:
+            out["oracle"] = torch.tensor([self.oracle_fn(t, g) for t, g in zip(texts, truths)])
+        return out
+
+    def log_probs(self, batch: dict) -> None:
+        old, ref = (cat_rows(parts) for parts in zip(*stitch(self.actor.call("compute_log_probs", batch))))
+        batch["old_logprobs"], batch["ref_logprobs"] = old, ref
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, step: int) -> dict[str, float]:
+        if not self.val:
+            return {}
+        gens = self.generate(self.val, self.sampling(10 ** 9 + step, validation=True))
+        batch = build_batch([p.ids for p in self.val], gens, self.pad_id)
+        scored = self.scores(self.val, gens, batch)
+        out = {"val/score_mean": float(scored["score"].mean()),
+               "val/response_length": float(batch["loss_mask"].sum(1).mean())}
+        if scored.get("oracle") is not None:
+            out["val/oracle_acc"] = float(scored["oracle"].mean())
+        if scored["rm"] is not None:
+            out["val/rm_score"] = float(scored["rm"].mean())
+        self.log(f"validation at step {step}: " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in out.items()))
+        return out
+
+    @property
+    def pad_id(self) -> int:
+        from megatron_rlhf.data.chat import pad_id
+
+        return pad_id(self.tokenizer)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def state(self) -> dict:
+        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "lr_scale": self.lr_scale,
+                "rollbacks": self.rollbacks}
+
+    def save(self) -> None:
+        for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
+            group.call("save", str(self.ckpt_root), self.step, self.state(), self.cfg.trainer.keep_last_n)
+
+    def checkpoints(self) -> list[int]:
+        """Steps with both an actor and a critic checkpoint, oldest first."""
+        steps = [{int(p.name[5:]) for p in complete_checkpoints(self.ckpt_root / role)}
+                 for role in ("actor", "critic")]
+        return sorted(steps[0] & steps[1])
+
+    def restore(self, step: int, keep_scales: bool = False) -> None:
+        """Load checkpoint ``step`` everywhere; the saved driver state unless ``keep_scales``."""
+        state = json.loads((self.ckpt_root / "actor" / f"step_{step:08d}" / "trainer_state.json").read_text())
+        if not keep_scales:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+            self.lr_scale, self.rollbacks = state["lr_scale"], state["rollbacks"]
+        for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
+            group.call("set_lr_scale", self.lr_scale)
+            group.call("load", str(self.ckpt_root), step)
+        self.step = step
+        self.actor.call("sync_weights")
+        self.trim_metrics(step)
+
+    def trim_metrics(self, step: int) -> None:
+        path = self.out / "metrics.jsonl"
+        if path.is_file():
+            lines = [line for line in path.read_text().splitlines()
+                     if line.strip() and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in lines))
+        self.history = [h for h in self.history if h["step"] <= step]
+
+    # ------------------------------------------------------------------ guard
+    def guard_reason(self, metrics: dict[str, float]) -> str | None:
+        """Why this step's update must be undone, or None."""
+        bad = [k for k, v in metrics.items() if k.startswith(("actor/", "critic/")) and not math.isfinite(v)]
+        if bad:
+            return f"{bad[0]} is {metrics[bad[0]]}"
+        limit = self.cfg.trainer.rollback.kl_threshold
+        if limit and metrics["actor/kl"] > limit:
+            return f"actor/kl {metrics['actor/kl']:.4g} exceeds trainer.rollback.kl_threshold={limit}"
+        return None
+
+    def rollback(self, reason: str) -> None:
+        rb = self.cfg.trainer.rollback
+        saved = self.checkpoints()
+        if not saved:
+            raise UserError(f"step {self.step + 1}: {reason}; no checkpoint to roll back to "
+                            f"(set trainer.save_every_steps); stopped")
+        if self.rollbacks >= rb.max_rollbacks:
+            raise UserError(f"step {self.step + 1}: {reason}; already rolled back {self.rollbacks} "
+                            f"times (trainer.rollback.max_rollbacks); stopped. Checkpoints in "
+                            f"{self.ckpt_root} are intact")
+        self.rollbacks += 1
+        self.lr_scale *= rb.lr_factor
+        self.kl_ctrl.value *= rb.kl_coef_factor
+        self.restore(saved[-1], keep_scales=True)
+        self.log(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {self.step + 1}: {reason}; "
+                 f"restored step {saved[-1]}, lr scale now {self.lr_scale:g}, "
+                 f"kl_coef now {self.kl_ctrl.value:g}")
+
+    def record(self, metrics: dict[str, float]) -> None:
+        self.history.append(metrics)
+        if self.logger is not None:
+            self.logger.scalars(metrics["step"], {k: v for k, v in metrics.items() if k != "step"})
+        with (self.out / "metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+
+
+def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: dict) -> dict:
+    mask = batch["loss_mask"]
+    lengths = mask.sum(dim=1)
+    out = {"reward/score_mean": float(scored["score"].mean()),
+           "reward/score_median": float(statistics.median(scored["score"].tolist())),
+           "response/length_mean": float(lengths.mean()),
+           "response/clip_ratio": float(sum(not g.finished for g in gens) / len(gens)),
+           "critic/returns_mean": float((adv["returns"] * mask).sum() / mask.sum()),
+           "critic/advantages_mean": float((adv["advantages"] * mask).sum() / mask.sum())}
+    if scored.get("oracle") is not None:
+        out["reward/oracle_mean"] = float(scored["oracle"].mean())
+    if scored["rm"] is not None:
+        out["reward/rm_mean"] = float(scored["rm"].mean())
+    return out

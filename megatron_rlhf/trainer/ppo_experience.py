@@ -1,0 +1,65 @@
+"""Turning rollouts into a PPO batch, and scores + KL into advantages. Pure tensor code.
+
+All per-token tensors live on the *target grid*: position ``t`` of a ``[N, T]`` tensor belongs to
+the token at ``t + 1`` (the one the logits at ``t`` predict), so log-probs, values, rewards and
+advantages of the response tokens sit where ``loss_mask`` is 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.algorithms.advantages import (compute_gae, group_normalized_advantages,
+                                                 masked_mean, masked_whiten, rloo_advantages,
+                                                 token_level_rewards)
+from megatron_rlhf.algorithms.ppo import kl_estimate
+from megatron_rlhf.config.ppo_schema import AlgorithmConfig
+from megatron_rlhf.rollout.base import Generation
+
+
+def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], pad_id: int) -> dict:
+    """``input_ids``, ``targets``, ``loss_mask`` ``[N, T]``; ``lengths [N, 1]``; ``group [N]``."""
+    sequences = [list(prompts[g.prompt_index]) + list(g.tokens) for g in generations]
+    count, width = len(sequences), max(len(s) for s in sequences)
+    input_ids = torch.full((count, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(count, width)
+    for row, (seq, gen) in enumerate(zip(sequences, generations)):
+        input_ids[row, :len(seq)] = torch.tensor(seq)
+        start = len(prompts[gen.prompt_index]) - 1
+        loss_mask[row, start:start + len(gen.tokens)] = 1.0
+    targets = torch.full_like(input_ids, pad_id)
+    targets[:, :-1] = input_ids[:, 1:]
+    return {"input_ids": input_ids, "targets": targets, "loss_mask": loss_mask,
+            "lengths": torch.tensor([[len(s)] for s in sequences]),
+            "group": torch.tensor([g.prompt_index for g in generations])}
+
+
+def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig,
+                       kl_coef: float) -> dict[str, torch.Tensor]:
+    """Rewards, advantages and returns ``[N, T]`` from sequence ``scores [N]`` and the batch's
+    ``old_logprobs``, ``ref_logprobs`` (and ``values`` for GAE)."""
+    mask = batch["loss_mask"]
+    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
+    if cfg.adv_estimator == "gae":
+        rewards = token_level_rewards(scores, mask, kl if cfg.use_kl_in_reward else None, kl_coef)
+        advantages, returns = compute_gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+    else:
+        if cfg.use_kl_in_reward:  # sequence-level methods take the KL as a score penalty
+            scores = scores - kl_coef * kl.sum(dim=1)
+        estimator = group_normalized_advantages if cfg.adv_estimator == "grpo" else rloo_advantages
+        per_sample = estimator(scores, batch["group"])
+        advantages = per_sample[:, None] * mask
+        rewards = token_level_rewards(scores, mask)
+        returns = advantages
+    return {"rewards": rewards, "advantages": advantages, "returns": returns, "kl": kl}
+
+
+def sample_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over samples of the summed per-token KL (what the adaptive controller tracks)."""
+    return float((kl * mask).sum(dim=1).mean())
+
+
+def token_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(masked_mean(kl, mask))

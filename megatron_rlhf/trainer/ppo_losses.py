@@ -1,0 +1,83 @@
+"""PPO's per-micro-batch losses on Megatron outputs, scaled so that any layout and micro-batch
+split computes the exact aggregate of the whole mini-batch.
+
+Megatron averages the loss over micro-batches and DDP averages gradients over data-parallel
+ranks; ``batch["loss_weight"] = micro_batches * dp / global_denominator`` undoes both and
+divides by the mini-batch's token count (token-mean) or sequence count (seq-mean-*).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.algorithms.advantages import masked_mean
+from megatron_rlhf.algorithms.ppo import aggregate, entropy_from_logits, kl_estimate, policy_loss, value_loss
+from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.models.forward import gather_vocab_parallel, token_cross_entropy
+
+
+def micro_denominator(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
+    """What ``aggregate`` divides by inside one micro-batch: tokens, or sequences."""
+    if agg_mode == "token-mean":
+        return mask.sum().clamp(min=1.0)
+    return torch.tensor(float(mask.shape[0]))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                   groups: ParallelGroups, temperature: float = 1.0) -> torch.Tensor:
+    """``log p(target)`` per position from vocab-parallel ``logits [b, t, V/tp]`` -> ``[b, t]``."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    return -token_cross_entropy(logits, targets, vocab_size, groups)
+
+
+def token_entropy(logits: torch.Tensor, vocab_size: int, groups: ParallelGroups,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the (unpadded) vocabulary distribution per position -> ``[b, t]``."""
+    full = gather_vocab_parallel(logits.float(), groups)[..., :vocab_size]
+    return entropy_from_logits(full / temperature)
+
+
+def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: ParallelGroups,
+               cfg, kl_loss_coef: float, temperature: float):
+    """PPO clipped surrogate (+ entropy bonus, + KL loss) of one micro-batch; ``cfg`` is the
+    ``actor`` config section. Returns (scaled loss, metric sums)."""
+    rows, length = logits.shape[:2]
+    take = lambda key: batch[key][:rows, :length].to(logits.device)  # noqa: E731
+    mask = take("loss_mask")
+    logprob = token_logprobs(logits, take("targets"), vocab_size, groups, temperature)
+    clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+    clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    out = policy_loss(take("old_logprobs"), logprob, take("advantages"), mask, clip_low, clip_high,
+                      cfg.clip_ratio_c or None, cfg.loss_agg_mode)
+    loss = out.loss
+    with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):
+        entropy = token_entropy(logits, vocab_size, groups, temperature)
+    if cfg.entropy_coeff > 0:
+        loss = loss - cfg.entropy_coeff * aggregate(entropy, mask, cfg.loss_agg_mode)
+    kl = kl_estimate(logprob, take("ref_logprobs"), cfg.kl_loss_type)
+    if cfg.use_kl_loss:
+        loss = loss + kl_loss_coef * aggregate(kl, mask, cfg.loss_agg_mode)
+    tokens = mask.sum()
+    scale = micro_denominator(mask, cfg.loss_agg_mode) * batch["loss_weight"]
+    metrics = {"pg_loss": out.loss.detach() * tokens, "clipfrac": out.clipfrac.detach() * tokens,
+               "ppo_kl": out.approx_kl.detach() * tokens,
+               "entropy": masked_mean(entropy.detach(), mask) * tokens,
+               "kl_loss": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
+               "count": torch.tensor(float(batch.get("real_shape", (rows,))[0]))}
+    return loss * scale, metrics
+
+
+def critic_loss(output: torch.Tensor, batch: dict, *, cliprange_value: float, agg_mode: str):
+    """Clipped value loss of one micro-batch from the value head ``[b, t, 1]``."""
+    rows, length = output.shape[:2]
+    take = lambda key: batch[key][:rows, :length].to(output.device)  # noqa: E731
+    mask = take("loss_mask")
+    values = output[..., 0].float()
+    loss, clipfrac = value_loss(values, take("values"), take("returns"), mask,
+                                cliprange_value or None, agg_mode)
+    tokens = mask.sum()
+    scale = micro_denominator(mask, agg_mode) * batch["loss_weight"]
+    metrics = {"vf_loss": loss.detach() * tokens, "vf_clipfrac": clipfrac.detach() * tokens,
+               "tokens": tokens, "count": torch.tensor(float(batch.get("real_shape", (rows,))[0]))}
+    return loss * scale, metrics

@@ -1,0 +1,315 @@
+"""One rank of a PPO worker group: the models it hosts and the work the driver asks of them.
+
+Roles: ``actor`` (trainable policy, frozen reference, rollout engine and the weight sync between
+them) and ``critic`` (trainable value model and the frozen reward model). With the default shared
+resource pool every rank hosts both; with ``resource_pool.critic=separate`` two groups do.
+
+Batches arrive whole (every rank gets the same dict of ``[N, T]`` tensors); each rank works on its
+data-parallel slice and only the ranks holding a full result (TP rank 0 of the last pipeline
+stage) return it, tagged with their DP rank, for the driver to stitch back together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
+from megatron_rlhf.config.loader import batch_plan
+from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.convert.checkpoints import read_hf_arch
+from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.convert.weights import load_hf_weights
+from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.forward import pipeline_forward
+from megatron_rlhf.models.hf_config import padded_vocab_size
+from megatron_rlhf.rewards.rm_scorer import last_token_rewards
+from megatron_rlhf.trainer.engine import make_trainable, reduce_metrics, train_step, training_dtype
+from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, token_logprobs
+from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
+
+ACTOR_KEYS = ["pg_loss", "clipfrac", "ppo_kl", "entropy", "kl_loss", "tokens", "count"]
+CRITIC_KEYS = ["vf_loss", "vf_clipfrac", "tokens", "count"]
+
+
+def dp_slice(count: int, dp: int, rank: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``count`` rows (shares differ by at most one)."""
+    return slice(rank * count // dp, (rank + 1) * count // dp)
+
+
+def policy_files(path: str):
+    """(arch, HF folder with config and tokenizer) of ``actor.model_path``, without weights."""
+    from pathlib import Path
+
+    if (Path(path) / META_FILE).is_file():
+        info = read_checkpoint_info(path)
+        return info.arch, info.hf_dir
+    if not (Path(path) / "config.json").is_file():
+        raise UserError(f"actor.model_path: {path} is neither a megatron_rlhf checkpoint nor a "
+                        "Hugging Face model folder")
+    return read_hf_arch(path), Path(path)
+
+
+def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype):
+    """(model, arch, hf_dir, padded vocab) from an HF causal LM or a megatron_rlhf checkpoint."""
+    from pathlib import Path
+
+    if (Path(path) / META_FILE).is_file():
+        info = read_checkpoint_info(path)
+        if info.arch.kind != "policy":
+            raise UserError(f"actor.model_path: {path} holds a {info.arch.kind} checkpoint")
+        return load_model_checkpoint(info, groups), info.arch, info.hf_dir, info.padded_vocab
+    arch = read_hf_arch(path)
+    if arch.kind != "policy":
+        raise UserError(f"actor.model_path: {path} is a {arch.kind} model, not a causal LM")
+    padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
+    model = build_model(arch, groups, dtype, padded)
+    load_hf_weights(model, HFReader(path), arch, groups, padded, progress=False)
+    return model, arch, Path(path), padded
+
+
+def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = None) -> list[dict]:
+    """Micro-batches of ``size`` rows of ``batch``, each cut to its longest sequence."""
+    out = []
+    for start in range(0, len(rows), size):
+        index = torch.tensor(rows[start:start + size])
+        length = int(batch["lengths"][index].max())
+        micro = {k: v[index, :length] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        out.append({**micro, **(extra or {})})
+    return out
+
+
+class PPOWorker:
+    """Built by :class:`megatron_rlhf.orchestration.worker_group.WorkerGroup` after
+    ``torch.distributed`` is up; ``roles`` is a subset of {"actor", "critic"}."""
+
+    def __init__(self, config: PPOConfig, roles: tuple[str, ...], layout: ParallelLayout,
+                 total_updates: int):
+        self.config, self.roles = config, roles
+        self.dtype = training_dtype(config.actor.dtype)
+        self.groups = build_parallel_groups(layout, seed=config.trainer.seed)
+        self.lr_scale = 1.0
+        if "actor" in roles:
+            self._build_actor(total_updates)
+        if "critic" in roles:
+            self._build_critic(total_updates)
+
+    # ----------------------------------------------------------------------------- set-up
+    def _build_actor(self, total_updates: int) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from megatron_rlhf.data.chat import pad_id
+        from megatron_rlhf.rollout.engines import make_generator
+        from megatron_rlhf.rollout.weight_sync import WeightSync
+
+        cfg = self.config
+        model, self.arch, self.hf_dir, self.padded = load_policy(cfg.actor.model_path, self.groups,
+                                                                 self.dtype)
+        self.ref = load_policy(cfg.actor.model_path, self.groups, self.dtype)[0].eval()
+        for p in self.ref.parameters():
+            p.requires_grad_(False)
+        self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, local_files_only=True)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir, local_files_only=True)
+        self.pad_id = pad_id(self.tokenizer)
+        self.generator = make_generator(cfg.rollout, str(self.hf_dir), self.dtype, self.pad_id,
+                                        self.tokenizer.eos_token_id, self.groups)
+        self.sync = WeightSync(self.actor.module, self.arch, self.groups, self.padded,
+                               int(cfg.rollout.bucket_size_mb * 2 ** 20))
+        self._released = True  # the engine holds random weights until the first sync
+
+    def _build_critic(self, total_updates: int) -> None:
+        cfg = self.config
+        source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path, self.groups.layout)
+        model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed)
+        self.critic = make_trainable(model, self.groups, cfg.critic.optim, total_updates)
+        self.critic_meta = source
+        self.rm = None
+        if cfg.reward.model_path:
+            rm_source = resolve_value_source(cfg.reward.model_path, self.groups.layout)
+            if not rm_source.is_checkpoint and rm_source.from_lm:
+                raise UserError(f"reward.model_path: {cfg.reward.model_path} is a causal LM, not a "
+                                "reward model (train one with `megatron-rlhf train-rm`)")
+            self.rm = build_value_model(rm_source, self.groups, self.dtype, cfg.trainer.seed).eval()
+
+    def info(self) -> dict:
+        """What the driver needs to know about this rank."""
+        g = self.groups
+        return {"dp_rank": g.dp_rank, "dp": g.layout.dp, "output": g.tp_rank == 0 and g.is_last_stage,
+                "layout": str(g.layout)}
+
+    def _output(self, value):
+        g = self.groups
+        return (g.dp_rank, value) if g.tp_rank == 0 and g.is_last_stage else None
+
+    # ----------------------------------------------------------------------------- rollout
+    def generate(self, prompts: list[list[int]], params) -> tuple | None:
+        from megatron_rlhf.rollout.engines import generator_rank
+
+        import torch.distributed as dist
+
+        gen_dp_rank, gen_dp, is_output = generator_rank(dist.get_rank(), self.world_size,
+                                                        self.config.rollout.tp)
+        if self._released:  # memory given back since the last sync: reload the current weights
+            self.sync_weights()
+        mine = prompts[dp_slice(len(prompts), gen_dp, gen_dp_rank)]
+        params.seed = params.seed * 1000 + gen_dp_rank
+        result = self.generator.generate(mine, params)
+        return (gen_dp_rank, result) if is_output else None
+
+    @property
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def sync_weights(self) -> dict:
+        self.generator.resume_memory()
+        self._released = False
+        return self.sync.sync(self.generator.load_weights)
+
+    def release_rollout(self) -> None:
+        self.generator.release_memory()
+        self._released = True
+
+    # ----------------------------------------------------------------------------- experience
+    def _mine(self, batch: dict) -> list[int]:
+        count = batch["input_ids"].shape[0]
+        return list(range(count))[dp_slice(count, self.groups.layout.dp, self.groups.dp_rank)]
+
+    def _forward(self, model, batch: dict, head) -> torch.Tensor | None:
+        size = self.config.actor.ppo_micro_batch_size_per_rank
+        outputs = pipeline_forward(model, self.groups, micro_batches(batch, self._mine(batch), size), head)
+        if not outputs:
+            return None
+        width = batch["input_ids"].shape[1]
+        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() == 2 else o
+                          for o in outputs])
+
+    def compute_log_probs(self, batch: dict) -> tuple | None:
+        """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each."""
+        temperature = self.config.rollout.temperature or 1.0
+        head = lambda out, b: token_logprobs(out, b["targets"], self.arch.vocab_size,  # noqa: E731
+                                             self.groups, temperature) * b["loss_mask"]
+        old = self._forward(self.actor.module, batch, head)
+        ref = self._forward(self.ref, batch, head)
+        return self._output((old, ref))
+
+    def compute_values(self, batch: dict) -> tuple | None:
+        """Critic values ``[n_mine, T]`` and reward-model scores ``[n_mine]`` (or None)."""
+        values = self._forward(self.critic.module, batch,
+                               lambda out, b: out[..., 0].float() * b["loss_mask"])
+        scores = None
+        if self.rm is not None:
+            scores = self._forward(self.rm, batch,
+                                   lambda out, b: last_token_rewards(out, b["lengths"].squeeze(1)))
+        return self._output((values, scores))
+
+    # ----------------------------------------------------------------------------- updates
+    def _update(self, trainable, batch: dict, epochs: int, step: int, loss, keys, denominator):
+        """``epochs`` passes of mini-batch optimizer steps over the whole batch."""
+        cfg, g = self.config, self.groups
+        count = batch["input_ids"].shape[0]
+        plan = batch_plan(min(cfg.actor.ppo_mini_batch_size, count),
+                          cfg.actor.ppo_micro_batch_size_per_rank, g.layout.dp)
+        sums = []
+        for epoch in range(epochs):
+            generator = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step * 31 + epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+            for start in range(0, count, plan.per_step):
+                rows = order[start:start + plan.per_step]
+                weight = plan.micro_batches_per_step * g.layout.dp / denominator(batch, rows)
+                mine = rows[dp_slice(len(rows), g.layout.dp, g.dp_rank)]
+                micro = micro_batches(batch, mine, plan.per_micro_batch, {"loss_weight": weight})
+                result = train_step(trainable, micro, loss)
+                sums.append(reduce_metrics(result.metrics, g, keys) | {"grad_norm": result.grad_norm,
+                                                                        "lr": result.lr})
+        return sums
+
+    def update_actor(self, batch: dict, step: int, kl_loss_coef: float) -> dict:
+        cfg = self.config.actor
+        loss = lambda out, b: actor_loss(out, b, vocab_size=self.arch.vocab_size,  # noqa: E731
+                                         groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
+                                         temperature=self.config.rollout.temperature or 1.0)
+        sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
+                            lambda b, rows: _denominator(b, rows, cfg.loss_agg_mode))
+        return _average(sums, "actor")
+
+    def update_critic(self, batch: dict, step: int) -> dict:
+        cfg = self.config
+        epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
+        loss = lambda out, b: critic_loss(out, b, cliprange_value=cfg.critic.cliprange_value,  # noqa: E731
+                                          agg_mode=cfg.actor.loss_agg_mode)
+        sums = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
+                            lambda b, rows: _denominator(b, rows, cfg.actor.loss_agg_mode))
+        return _average(sums, "critic")
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the learning-rate schedules (rollbacks lower it); re-applied after every load."""
+        self.lr_scale = scale
+        pairs = []
+        if "actor" in self.roles:
+            pairs.append((self.actor, self.config.actor.optim))
+        if "critic" in self.roles:
+            pairs.append((self.critic, self.config.critic.optim))
+        for trainable, optim in pairs:
+            trainable.scheduler.max_lr = optim.lr * scale
+            trainable.scheduler.min_lr = optim.min_lr * scale
+            trainable.scheduler.step(increment=0)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def save(self, root: str, step: int, state: dict, keep_last_n: int) -> str:
+        from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
+
+        from pathlib import Path
+
+        saved = None
+        if "actor" in self.roles:
+            meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded}
+            saved = save_train_checkpoint(Path(root) / "actor", step, self.actor, meta,
+                                          self.hf_config, self.tokenizer, state, keep_last_n)
+        if "critic" in self.roles:
+            from transformers import AutoTokenizer
+
+            from megatron_rlhf.trainer.value_init import reward_model_hf_config
+
+            source = self.critic_meta
+            meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
+            tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
+            saved = save_train_checkpoint(Path(root) / "critic", step, self.critic, meta,
+                                          reward_model_hf_config(source, tokenizer.pad_token_id),
+                                          tokenizer, state, keep_last_n)
+        return str(saved)
+
+    def load(self, root: str, step: int) -> None:
+        from pathlib import Path
+
+        from megatron_rlhf.checkpoint.train_ckpt import load_train_checkpoint
+
+        name = f"step_{step:08d}"
+        if "actor" in self.roles:
+            load_train_checkpoint(Path(root) / "actor" / name, self.actor)
+        if "critic" in self.roles:
+            load_train_checkpoint(Path(root) / "critic" / name, self.critic)
+        self.set_lr_scale(self.lr_scale)
+
+
+def _denominator(batch: dict, rows: list[int], agg_mode: str) -> float:
+    if agg_mode == "token-mean":
+        return float(batch["loss_mask"][torch.tensor(rows)].sum().clamp(min=1.0))
+    return float(len(rows))
+
+
+def _average(sums: list[dict], prefix: str) -> dict:
+    """Token-weighted means over all optimizer steps of this update; plain means for the rest."""
+    tokens = sum(s["tokens"] for s in sums) or 1.0
+    out = {}
+    for key in sums[0]:
+        if key in ("tokens", "count"):
+            continue
+        if key in ("grad_norm", "lr"):
+            out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / len(sums)
+        else:
+            out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / tokens
+    return out
