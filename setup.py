@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "psutil>=7",  # undeclared dependency of megatron's dist_checkpointing save
     "ray[default]==2.60.0",
     "tqdm>=4.70",
+    "matplotlib>=3.10,<4",  # the demo's PNG of the PPO curves
 ]
 
 EXTRAS = {

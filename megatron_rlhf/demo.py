@@ -1,58 +1,97 @@
-"""`megatron-rlhf demo`: the end-to-end CPU demo on an embedded tiny default.
+"""`megatron-rlhf demo`: the whole RLHF pipeline on CPU, on an embedded tiny default.
 
-Today it exercises the foundation: a tiny Qwen2 policy and reward model are built offline,
-converted HF -> Megatron -> HF (checked bit for bit), and a preference set is scored with the
-reward model at TP=1 and at TP=2 (two local ranks), whose rewards must agree. The reward model is
-untrained here, so its pairwise accuracy is near chance.
+1. write the bundled addition task (prompts, preference pairs, SFT pairs; held-out questions);
+2. build a tiny random Qwen2 LM and its tokenizer;
+3. SFT warm start (``configs/sft/tiny_cpu.yaml``);
+4. export the SFT policy to Hugging Face and train a Bradley-Terry reward model from it
+   (``configs/rm/tiny_cpu.yaml``; InstructGPT starts the reward model from the SFT model);
+5. PPO from the SFT policy against that reward model (``configs/ppo/tiny_cpu.yaml``), with the
+   critic started from the reward model; the task's checker is only measured, never trained on;
+6. a before/after table of held-out oracle accuracy and reward-model score, and a PNG of the curves.
+
+Every stage is the real command-line job, run as a subprocess; the stage logs are kept.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-import torch
-
-from megatron_rlhf.convert.checkpoints import hf_to_mcore, mcore_to_hf
-from megatron_rlhf.data.task_files import write_task_files
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _build_models(root: Path) -> dict[str, Path]:
-    sft = pq.read_table(root / "data" / "sft_train.parquet")
-    texts = [p + " " + r for p, r in zip(sft.column("prompt").to_pylist(),
-                                         sft.column("response").to_pylist())]
-    tokenizer = train_tokenizer(texts, root / "tokenizer", vocab_size=300)
-    paths = {}
-    for kind in ("policy", "value"):
-        config = tiny_config("qwen2", kind, vocab_size=len(tokenizer),
-                             pad_token_id=tokenizer.pad_token_id)
-        paths[kind] = root / f"hf_{kind}"
-        make_tiny_model(config, paths[kind])
-        tokenizer.save_pretrained(paths[kind])
-    return paths
-
-
-def _bit_identical(a: Path, b: Path) -> bool:
-    from safetensors.torch import load_file
-
-    before, after = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    return sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
-
-
-def _score(mcore: Path, data: Path, out: Path, tp: int) -> str:
-    command = [sys.executable, "-m", "megatron_rlhf.cli", "score-rm", "--model-dir", str(mcore),
-               "--data", str(data), "--output", str(out), "--tp", str(tp),
-               "--nproc-per-node", str(tp)]
-    proc = subprocess.run(command, capture_output=True, text=True)
+def _stage(root: Path, name: str, args: list[str]) -> None:
+    log = root / "logs" / f"{name}.log"
+    log.parent.mkdir(exist_ok=True)
+    start = time.time()
+    print(f"[demo] {name}: megatron-rlhf {' '.join(args[:2])} ... (log: {log})", flush=True)
+    with log.open("w") as handle:
+        proc = subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", *args], stdout=handle,
+                              stderr=subprocess.STDOUT)
     if proc.returncode:
-        raise RuntimeError(f"score-rm at tp={tp} failed:\n{proc.stderr[-2000:]}")
-    return proc.stdout.strip().splitlines()[-1]
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise UserError(f"demo stage {name} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    print(f"[demo] {name}: done in {time.time() - start:.0f}s", flush=True)
+
+
+def _newest(run: Path) -> Path:
+    from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
+
+    found = complete_checkpoints(run / "checkpoints")
+    if not found:
+        raise UserError(f"no checkpoint under {run}")
+    return found[-1]
+
+
+def _prepare(root: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from megatron_rlhf.data.task_files import write_task_files
+    from megatron_rlhf.models.tiny import make_tiny_base
+
+    write_task_files(str(root / "data"), train=4000, val=200, seed=0)
+    table = pq.read_table(root / "data" / "sft_train.parquet")
+    texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
+                                         table.column("response").to_pylist())]
+    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
+
+
+def _curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        for key in ("val/oracle_acc", "val/rm_score", "reward/score_mean", "actor/kl"):
+            if key in row:
+                curves.setdefault(key, []).append((row["step"], row[key]))
+    return curves
+
+
+def _plot(curves: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = {"val/oracle_acc": "held-out oracle accuracy (greedy)",
+              "val/rm_score": "held-out reward-model score (greedy)",
+              "reward/score_mean": "training reward (sampled)", "actor/kl": "KL(actor || SFT) per token"}
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, title) in zip(axes.flat, titles.items()):
+        points = curves.get(key, [])
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o" if key.startswith("val") else None)
+        ax.set_title(title)
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+    fig.suptitle("megatron-rlhf demo: PPO from the SFT policy against the trained reward model")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def run_demo(out_dir: str) -> int:
@@ -65,29 +104,44 @@ def run_demo(out_dir: str) -> int:
     root.mkdir(parents=True)
     marker.touch()
     start = time.time()
-    print(f"[demo] writing the bundled addition task and building a tiny Qwen2 policy and reward "
-          f"model under {root}")
-    write_task_files(str(root / "data"), train=400, val=64, seed=0)
-    hf = _build_models(root)
-    rows = []
-    for kind, path in hf.items():
-        mcore, back = root / f"mcore_{kind}", root / f"hf_{kind}_roundtrip"
-        hf_to_mcore(str(path), str(mcore))
-        mcore_to_hf(str(mcore), str(back))
-        rows.append((kind, _bit_identical(path, back)))
-        torch.distributed.destroy_process_group()
-    data = root / "data" / "prefs_val.parquet"
-    scored = [(tp, _score(root / "mcore_value", data, root / f"scored_tp{tp}.parquet", tp))
-              for tp in (1, 2)]
-    tp1, tp2 = (pq.read_table(root / f"scored_tp{tp}.parquet") for tp in (1, 2))
-    gap = max(abs(a - b) for col in ("chosen_reward", "rejected_reward")
-              for a, b in zip(tp1.column(col).to_pylist(), tp2.column(col).to_pylist()))
-    print("\n[demo] HF -> Megatron -> HF round trip")
-    for kind, same in rows:
-        print(f"  {kind:<7} bit-identical: {same}")
-    print("[demo] reward scoring (untrained reward model: accuracy near chance is expected)")
-    for tp, line in scored:
-        print(f"  tp={tp}: {line}")
-    print(f"  max |reward(tp=1) - reward(tp=2)| = {gap:.2e}")
+    print(f"[demo] writing the bundled addition task and a tiny Qwen2 LM under {root}", flush=True)
+    _prepare(root)
+    data = root / "data"
+    _stage(root, "sft", ["sft", "--config", str(CONFIGS / "sft" / "tiny_cpu.yaml"),
+                         f"model.path={root / 'base'}", f"data.train_files=[{data / 'sft_train.parquet'}]",
+                         f"data.val_files=[{data / 'sft_val.parquet'}]", f"trainer.output_dir={root / 'sft'}",
+                         "trainer.logger=console"])
+    sft = _newest(root / "sft")
+    _stage(root, "export-sft", ["convert", "mcore-to-hf", "--mcore-dir", str(sft),
+                                "--out-dir", str(root / "sft_hf")])
+    _stage(root, "reward-model", [
+        "train-rm", "--config", str(CONFIGS / "rm" / "tiny_cpu.yaml"), f"model.path={root / 'sft_hf'}",
+        f"data.train_files=[{data / 'prefs_train.parquet'}]", f"data.val_files=[{data / 'prefs_val.parquet'}]",
+        f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=8", "optim.lr=3e-4", "optim.min_lr=3e-5",
+        # Centring pins each prompt's rewards around 0, so PPO's reward differences come from
+        # the answers, not from which question was asked.
+        "loss.center_coef=0.1", "trainer.logger=console"])
+    rm = _newest(root / "rm")
+    rm_val = json.loads((root / "rm" / "final_metrics.json").read_text())
+    _stage(root, "ppo", ["ppo", "--config", str(CONFIGS / "ppo" / "tiny_cpu.yaml"),
+                         f"actor.model_path={sft}", f"critic.model_path={rm}", f"reward.model_path={rm}",
+                         f"data.train_files=[{data / 'prompts_train.parquet'}]",
+                         f"data.val_files=[{data / 'prompts_val.parquet'}]",
+                         f"trainer.output_dir={root / 'ppo'}"])
+    curves = _curves(root / "ppo" / "metrics.jsonl")
+    _plot(curves, root / "ppo_curves.png")
+    acc, score = curves["val/oracle_acc"], curves["val/rm_score"]
+    gain = acc[-1][1] - acc[0][1]
+    print("\n[demo] held-out questions (never trained on), greedy answers")
+    print(f"  {'policy':<22} {'oracle accuracy':>16} {'RM score':>10}")
+    print(f"  {'SFT (PPO step 0)':<22} {acc[0][1]:>16.3f} {score[0][1]:>10.3f}")
+    print(f"  {f'PPO (step {acc[-1][0]})':<22} {acc[-1][1]:>16.3f} {score[-1][1]:>10.3f}")
+    print(f"  change: {100 * gain:+.1f} points of accuracy; reward model pairwise accuracy "
+          f"{rm_val.get('val/accuracy', float('nan')):.3f}")
+    print(f"[demo] curves: {root / 'ppo_curves.png'}; TensorBoard: tensorboard --logdir {root}")
     print(f"[demo] done in {time.time() - start:.0f}s; artefacts in {root}")
-    return 0 if all(same for _, same in rows) and gap < 1e-4 else 1
+    (root / "summary.json").write_text(json.dumps({
+        "sft_oracle_acc": acc[0][1], "ppo_oracle_acc": acc[-1][1], "sft_rm_score": score[0][1],
+        "ppo_rm_score": score[-1][1], "rm_val_accuracy": rm_val.get("val/accuracy"),
+        "seconds": time.time() - start}, indent=2))
+    return 0

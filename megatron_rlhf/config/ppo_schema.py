@@ -161,6 +161,9 @@ class PPOTrainerConfig(TrainerConfig):
     """Worker processes per node (one per GPU; on CPU one per process you give it)."""
     nnodes: int = 1
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    critic_warmup: int = 0
+    """Steps at the start (of a fresh run) that update only the critic, so the first policy
+    updates see a value baseline that has already fit the reward's scale."""
     val_before_train: bool = True
     """Validate the starting policy, so the first and last validation rows compare."""
 

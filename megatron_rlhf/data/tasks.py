@@ -62,6 +62,20 @@ def plausible_wrong(answer: int, rng: random.Random) -> int:
     return wrong if wrong >= 0 and wrong != answer else answer + 1
 
 
+MALFORMED = ("The answer is .", "The answer is", "The answer is the answer.", "The answer is  .")
+
+
+def rejected_answer(answer: int, rng: random.Random, malformed_rate: float = 0.2) -> str:
+    """A rejected reply: usually a near miss, sometimes a reply that states no number at all.
+
+    Real preference data rejects broken replies too; without them a reward model has never seen
+    one and may score it highly, which PPO then finds and exploits.
+    """
+    if rng.random() < malformed_rate:
+        return rng.choice(MALFORMED)
+    return format_answer(plausible_wrong(answer, rng))
+
+
 def split_operands(task: AdditionTask, val_fraction: float, seed: int):
     """Disjoint (train, validation) operand pairs: validation questions are never trained on."""
     pairs = task.operand_pairs()
@@ -79,5 +93,5 @@ def make_rows(operands: list[tuple[int, int]], count: int, seed: int) -> dict[st
         rows["prompt"].append(prompt)
         rows["ground_truth"].append(str(answer))
         rows["chosen"].append(format_answer(answer))
-        rows["rejected"].append(format_answer(plausible_wrong(answer, rng)))
+        rows["rejected"].append(rejected_answer(answer, rng))
     return rows

@@ -31,15 +31,16 @@ def fit(run: PPORun) -> dict[str, float]:
         with timer("reward_values"):
             scored = run.scores(prompts, gens, batch)
         with timer("old_ref_log_prob"):
-            run.log_probs(batch)
+            sync_check = run.log_probs(batch, gens)
         with timer("adv"):
             adv = compute_advantages(batch, scored["score"], alg, run.kl_ctrl.value)
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
         with timer("update_critic"):
             metrics = run.critic.call("update_critic", batch, run.step)[0] if alg.adv_estimator == "gae" else {}
-        with timer("update_actor"):
-            metrics |= run.actor.call("update_actor", batch, run.step, run.kl_ctrl.value)[0]
-        metrics["actor/kl"] = metrics.pop("actor/kl_loss")
+        if run.step >= cfg.trainer.critic_warmup:
+            with timer("update_actor"):
+                metrics |= run.actor.call("update_actor", batch, run.step, run.kl_ctrl.value)[0]
+            metrics["actor/kl"] = metrics.pop("actor/kl_loss")
         reason = run.guard_reason(metrics)
         if reason is not None:
             run.rollback(reason)
@@ -48,7 +49,7 @@ def fit(run: PPORun) -> dict[str, float]:
             run.actor.call("sync_weights")
         run.kl_ctrl.update(sample_kl(adv["kl"], batch["loss_mask"]), len(gens))
         run.step += 1
-        metrics |= summarize_rollout(gens, scored, batch, adv) | timer
+        metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | timer
         metrics |= {"rollout/kl_ref": token_kl(adv["kl"], batch["loss_mask"]),
                     "actor/kl_coef": run.kl_ctrl.value, "step": run.step}
         run.logger.count(len(gens), float(batch["lengths"].sum()))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController
+from megatron_rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController, explained_variance
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
@@ -126,9 +126,17 @@ class PPORun:
             out["oracle"] = torch.tensor([self.oracle_fn(t, g) for t, g in zip(texts, truths)])
         return out
 
-    def log_probs(self, batch: dict) -> None:
+    def log_probs(self, batch: dict, gens: list[Generation]) -> dict[str, float]:
+        """Old (actor) and reference log-probs into ``batch``; returns how far the engine's own
+        log-probs are from the actor's (a wrong weight sync shows up here first)."""
         old, ref = (cat_rows(parts) for parts in zip(*stitch(self.actor.call("compute_log_probs", batch))))
         batch["old_logprobs"], batch["ref_logprobs"] = old, ref
+        engine = torch.zeros_like(old)
+        for row, gen in enumerate(gens):
+            start = int(batch["loss_mask"][row].nonzero()[0])
+            engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
+        gap = (engine - old).abs() * batch["loss_mask"]
+        return {"rollout/logprob_diff_max": float(gap.max())}
 
     # ------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
@@ -144,6 +152,8 @@ class PPORun:
         if scored["rm"] is not None:
             out["val/rm_score"] = float(scored["rm"].mean())
         self.log(f"validation at step {step}: " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in out.items()))
+        example = self.tokenizer.decode(list(self.val[0].ids) + gens[0].tokens, skip_special_tokens=False)
+        self.log(f"example: {example!r}")
         return out
 
     @property
@@ -166,10 +176,11 @@ class PPORun:
             group.call("save", str(self.ckpt_root), self.step, self.state(), self.cfg.trainer.keep_last_n)
 
     def checkpoints(self) -> list[int]:
-        """Steps with both an actor and a critic checkpoint, oldest first."""
+        """Steps with a checkpoint of every trained model (actor, and critic for GAE), oldest first."""
+        roles = ("actor", "critic") if self.cfg.algorithm.adv_estimator == "gae" else ("actor",)
         steps = [{int(p.name[5:]) for p in complete_checkpoints(self.ckpt_root / role)}
-                 for role in ("actor", "critic")]
-        return sorted(steps[0] & steps[1])
+                 for role in roles]
+        return sorted(set.intersection(*steps))
 
     def restore(self, step: int, keep_scales: bool = False) -> None:
         """Load checkpoint ``step`` everywhere; the saved driver state unless ``keep_scales``."""
@@ -199,7 +210,7 @@ class PPORun:
         if bad:
             return f"{bad[0]} is {metrics[bad[0]]}"
         limit = self.cfg.trainer.rollback.kl_threshold
-        if limit and metrics["actor/kl"] > limit:
+        if limit and metrics.get("actor/kl", 0.0) > limit:
             return f"actor/kl {metrics['actor/kl']:.4g} exceeds trainer.rollback.kl_threshold={limit}"
         return None
 
@@ -238,6 +249,9 @@ def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: di
            "response/clip_ratio": float(sum(not g.finished for g in gens) / len(gens)),
            "critic/returns_mean": float((adv["returns"] * mask).sum() / mask.sum()),
            "critic/advantages_mean": float((adv["advantages"] * mask).sum() / mask.sum())}
+    if batch.get("values") is not None:
+        out["critic/values_mean"] = float((batch["values"] * mask).sum() / mask.sum())
+        out["critic/vf_explained_var"] = explained_variance(batch["values"], adv["returns"], mask)
     if scored.get("oracle") is not None:
         out["reward/oracle_mean"] = float(scored["oracle"].mean())
     if scored["rm"] is not None:

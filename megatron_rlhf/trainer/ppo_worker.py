@@ -121,10 +121,13 @@ class PPOWorker:
 
     def _build_critic(self, total_updates: int) -> None:
         cfg = self.config
-        source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path, self.groups.layout)
-        model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed)
-        self.critic = make_trainable(model, self.groups, cfg.critic.optim, total_updates)
-        self.critic_meta = source
+        self.critic = None  # group baselines (GRPO, RLOO) need no value model
+        if cfg.algorithm.adv_estimator == "gae":
+            source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path,
+                                          self.groups.layout)
+            model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed)
+            self.critic = make_trainable(model, self.groups, cfg.critic.optim, total_updates)
+            self.critic_meta = source
         self.rm = None
         if cfg.reward.model_path:
             rm_source = resolve_value_source(cfg.reward.model_path, self.groups.layout)
@@ -198,9 +201,10 @@ class PPOWorker:
 
     def compute_values(self, batch: dict) -> tuple | None:
         """Critic values ``[n_mine, T]`` and reward-model scores ``[n_mine]`` (or None)."""
-        values = self._forward(self.critic.module, batch,
-                               lambda out, b: out[..., 0].float() * b["loss_mask"])
-        scores = None
+        values = scores = None
+        if self.critic is not None:
+            values = self._forward(self.critic.module, batch,
+                                   lambda out, b: out[..., 0].float() * b["loss_mask"])
         if self.rm is not None:
             scores = self._forward(self.rm, batch,
                                    lambda out, b: last_token_rewards(out, b["lengths"].squeeze(1)))
@@ -251,7 +255,7 @@ class PPOWorker:
         pairs = []
         if "actor" in self.roles:
             pairs.append((self.actor, self.config.actor.optim))
-        if "critic" in self.roles:
+        if "critic" in self.roles and self.critic is not None:
             pairs.append((self.critic, self.config.critic.optim))
         for trainable, optim in pairs:
             trainable.scheduler.max_lr = optim.lr * scale
@@ -269,7 +273,7 @@ class PPOWorker:
             meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded}
             saved = save_train_checkpoint(Path(root) / "actor", step, self.actor, meta,
                                           self.hf_config, self.tokenizer, state, keep_last_n)
-        if "critic" in self.roles:
+        if "critic" in self.roles and self.critic is not None:
             from transformers import AutoTokenizer
 
             from megatron_rlhf.trainer.value_init import reward_model_hf_config
@@ -290,7 +294,7 @@ class PPOWorker:
         name = f"step_{step:08d}"
         if "actor" in self.roles:
             load_train_checkpoint(Path(root) / "actor" / name, self.actor)
-        if "critic" in self.roles:
+        if "critic" in self.roles and self.critic is not None:
             load_train_checkpoint(Path(root) / "critic" / name, self.critic)
         self.set_lr_scale(self.lr_scale)
 

@@ -1,0 +1,30 @@
+"""Worker objects for tests/test_orchestration.py (importable by Ray workers)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class Echo:
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def whoami(self) -> tuple[str, int, int]:
+        return self.tag, dist.get_rank(), dist.get_world_size()
+
+    def all_reduce(self, value: float) -> float:
+        tensor = torch.tensor([value + dist.get_rank()])
+        dist.all_reduce(tensor)
+        return tensor.item()
+
+    def die_or_wait(self, victim: int) -> float:
+        """``victim`` exits hard; the others block in a collective that can never finish."""
+        if dist.get_rank() == victim:
+            os._exit(13)
+        return self.all_reduce(0.0)
+
+    def fail(self, victim: int) -> None:
+        if dist.get_rank() == victim:
+            raise ValueError("bad row 7 in shard 3")
+        self.all_reduce(0.0)

@@ -1,0 +1,42 @@
+"""Ray worker groups: one torch.distributed world per group, results in rank order, and a dead
+or failing rank stops the driver at once with its name instead of a hang."""
+
+import time
+
+import pytest
+
+from megatron_rlhf.config.ppo_schema import RayConfig
+from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
+from megatron_rlhf.orchestration.worker_group import WorkerFailed, WorkerGroup
+from tests.orchestration_helpers import Echo
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    started = start_ray(RayConfig(num_cpus=5, object_store_mb=128), ranks=4, use_gpu=False)
+    yield
+    stop_ray(started)
+
+
+def test_group_is_one_world_and_returns_in_rank_order(ray_cluster):
+    group = WorkerGroup("echo", 2, use_gpu=False)
+    group.build(Echo, "a")
+    assert group.call("whoami") == [("a", 0, 2), ("a", 1, 2)]
+    assert group.call("all_reduce", 1.0) == [3.0, 3.0]  # (1 + 0) + (1 + 1)
+    group.shutdown()
+
+
+def test_dead_worker_fails_fast_with_its_rank(ray_cluster):
+    group = WorkerGroup("victims", 2, use_gpu=False)
+    group.build(Echo, "b")
+    start = time.time()
+    with pytest.raises(WorkerFailed, match=r"worker group 'victims' rank 1 failed in die_or_wait"):
+        group.call("die_or_wait", 1)
+    assert time.time() - start < 60  # rank 0 is stuck in all_reduce; the driver is not
+
+
+def test_worker_exception_names_rank_and_cause(ray_cluster):
+    group = WorkerGroup("raisers", 2, use_gpu=False)
+    group.build(Echo, "c")
+    with pytest.raises(WorkerFailed, match=r"rank 0 failed in fail: ValueError: bad row 7 in shard 3"):
+        group.call("fail", 0)

@@ -1,0 +1,157 @@
+"""PPO end to end through the real command: Ray driver, worker groups, HF rollouts, Megatron
+updates. Exact resume after kill -9, rollback on a KL spike, layout parity, fail-fast."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+VOLATILE = ("timing/", "throughput/")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from tests.tiny_models import build_task_workspace
+
+    return build_task_workspace(tmp_path_factory.mktemp("ppo"), train=256, val=16, seed=0)
+
+
+def overrides(ws: Path, out: Path, *extra: str) -> list[str]:
+    data = ws / "data"
+    return [f"actor.model_path={ws / 'base'}", f"data.train_files=[{data / 'prompts_train.parquet'}]",
+            f"data.val_files=[{data / 'prompts_val.parquet'}]", "data.max_prompt_length=32",
+            "data.max_response_length=8", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+            "actor.ppo_micro_batch_size_per_rank=4", "actor.ppo_epochs=2", "actor.optim.lr=1e-3",
+            "actor.optim.min_lr=1e-3", "reward.fn=addition", "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05",
+            "trainer.logger=tensorboard", f"trainer.output_dir={out}", "trainer.eval_every_steps=3",
+            *extra]
+
+
+def ppo(args: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "megatron_rlhf.cli", "ppo", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def metrics(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workspace, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo_full")
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=6",
+                                                "trainer.save_every_steps=2")))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return out, stdout
+
+
+def test_ppo_runs_and_logs_the_named_metrics(uninterrupted):
+    out, stdout = uninterrupted
+    rows = metrics(out)
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2, 3, 4, 5, 6]
+    step = next(r for r in rows if r["step"] == 6 and "actor/pg_loss" in r)
+    for key in ("reward/score_mean", "reward/score_median", "reward/oracle_mean", "actor/kl",
+                "actor/entropy", "actor/clipfrac", "actor/pg_loss", "critic/vf_loss",
+                "critic/vf_explained_var", "response/length_mean", "timing/gen",
+                "timing/update_actor", "timing/sync", "throughput/tokens_per_s"):
+        assert key in json.loads((out / "metrics.jsonl").read_text().splitlines()[-2]) or key in step, key
+    # The engine's own log-probs equal the actor's after every in-loop weight sync.
+    assert max(r["rollout/logprob_diff_max"] for r in rows if "actor/pg_loss" in r) < 1e-4
+    assert any("val/oracle_acc" in r for r in rows)
+    assert list((out / "tensorboard").glob("events.*"))
+    assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir()) == ["step_00000004",
+                                                                                 "step_00000006"]
+
+
+def test_resume_after_kill_reproduces_the_run_exactly(workspace, uninterrupted, tmp_path):
+    reference = metrics(uninterrupted[0])
+    out = tmp_path / "run"
+    args = overrides(workspace, out, "trainer.max_steps=6", "trainer.save_every_steps=2")
+    proc = ppo(args)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # kill -9 the whole job once step 3 is logged (after a save)
+        lines = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+        if any(json.loads(line)["step"] == 3 and "actor/pg_loss" in line for line in lines):
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "resumed from step" in stdout
+    assert metrics(out) == reference
+
+
+def test_rollback_on_kl_spike_restores_and_stops(workspace, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=2",
+                                                "trainer.save_every_steps=1")))
+    assert code == 0, stderr[-3000:]
+    # Any update now "spikes": the threshold is below every KL an update can produce.
+    spiky = overrides(workspace, out, "trainer.max_steps=5", "trainer.save_every_steps=1",
+                      "trainer.rollback.kl_threshold=1e-12", "trainer.rollback.max_rollbacks=2",
+                      "trainer.rollback.lr_factor=0.5", "trainer.rollback.kl_coef_factor=2.0")
+    code, stdout, stderr = finish(ppo(spiky))
+    assert code == 2, stdout[-3000:] + stderr[-3000:]
+    assert "rollback 1/2 at step 3" in stdout and "restored step 2, lr scale now 0.5" in stdout
+    assert "rollback 2/2 at step 3" in stdout and "lr scale now 0.25" in stdout
+    assert "already rolled back 2 times" in stderr
+    # Nothing after the last good step was kept: checkpoints and logs end at step 2.
+    assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir())[-1] == "step_00000002"
+    assert max(r["step"] for r in metrics(out)) == 2
+
+
+def test_guard_without_checkpoint_stops_cleanly(workspace, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=2",
+                                                "trainer.rollback.kl_threshold=1e-12")))
+    assert code == 2
+    assert "no checkpoint to roll back to" in stderr
+
+
+def test_tp2_matches_tp1_with_greedy_rollouts(workspace, tmp_path):
+    runs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        args = overrides(workspace, out, "trainer.max_steps=2", "rollout.temperature=0",
+                         f"actor.parallel.tp={tp}", f"trainer.n_gpus_per_node={tp}",
+                         "trainer.eval_every_steps=0", "trainer.val_before_train=false")
+        code, stdout, stderr = finish(ppo(args))
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+        runs[tp] = [r for r in metrics(out) if "actor/pg_loss" in r]
+    for a, b in zip(runs[1], runs[2]):
+        for key in ("actor/pg_loss", "actor/kl", "critic/vf_loss", "reward/score_mean",
+                    "actor/entropy"):
+            assert abs(a[key] - b[key]) < 1e-4, (key, a[key], b[key])
+
+
+def test_bad_config_is_one_clear_line(workspace, tmp_path):
+    code, stdout, stderr = finish(ppo(overrides(workspace, tmp_path / "run", "algorithm.adv_estimator=grpo")))
+    assert code == 2
+    assert stderr.strip().splitlines()[-1].startswith("error: config: algorithm.adv_estimator=grpo")
+
+
+def test_separate_critic_pool_runs(workspace, tmp_path):
+    out = tmp_path / "run"
+    args = overrides(workspace, out, "trainer.max_steps=2", "resource_pool.critic=separate",
+                     "resource_pool.critic_world_size=1", "trainer.eval_every_steps=0")
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "+ 1 critic rank(s)" in stdout
+    assert (out / "checkpoints" / "critic" / "step_00000002").is_dir()
+    assert [r["step"] for r in metrics(out) if "critic/vf_loss" in r] == [1, 2]

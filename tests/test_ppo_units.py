@@ -1,0 +1,112 @@
+"""PPO pieces that need no process: batch layout, advantages, config checks, loss scaling."""
+
+import pytest
+import torch
+
+from megatron_rlhf.algorithms.advantages import compute_gae, masked_whiten
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
+from megatron_rlhf.config.ppo_schema import AlgorithmConfig, PPOConfig
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.rollout.base import Generation
+from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages
+from megatron_rlhf.trainer.ppo_losses import micro_denominator
+from megatron_rlhf.trainer.ppo_worker import dp_slice
+
+
+def test_build_batch_puts_response_tokens_on_the_target_grid():
+    prompts = [(10, 11, 12), (20, 21)]
+    gens = [Generation(1, [5, 6, 2], [-0.1, -0.2, -0.3], True),
+            Generation(0, [7], [-0.5], False)]
+    batch = build_batch(prompts, gens, pad_id=0)
+    assert batch["input_ids"].tolist() == [[20, 21, 5, 6, 2], [10, 11, 12, 7, 0]]
+    # Position t predicts token t+1: the mask covers the positions predicting response tokens.
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
+    assert batch["targets"][0, 1:4].tolist() == [5, 6, 2]
+    assert batch["targets"][1, 2].item() == 7
+    assert batch["lengths"].squeeze(1).tolist() == [5, 4]
+    assert batch["group"].tolist() == [1, 0]
+
+
+def _batch():
+    gens = [Generation(i // 2, [1] * (2 + i), [0.0] * (2 + i), True) for i in range(4)]
+    batch = build_batch([(9, 9), (8, 8, 8)], gens, pad_id=0)
+    generator = torch.Generator().manual_seed(0)
+    shape = batch["loss_mask"].shape
+    batch["old_logprobs"] = -torch.rand(shape, generator=generator) * batch["loss_mask"]
+    batch["ref_logprobs"] = -torch.rand(shape, generator=generator) * batch["loss_mask"]
+    batch["values"] = torch.randn(shape, generator=generator) * batch["loss_mask"]
+    return batch
+
+
+def test_gae_with_kl_in_reward_matches_the_pieces():
+    batch = _batch()
+    scores = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    cfg = AlgorithmConfig(use_kl_in_reward=True, kl_penalty="k1", gamma=0.9, lam=0.8)
+    out = compute_advantages(batch, scores, cfg, kl_coef=0.1)
+    mask = batch["loss_mask"]
+    kl = (batch["old_logprobs"] - batch["ref_logprobs"]) * mask
+    rewards = -0.1 * kl
+    for row in range(4):
+        last = int(mask[row].nonzero()[-1])
+        rewards[row, last] += scores[row]
+    assert torch.allclose(out["rewards"], rewards)
+    advantages, returns = compute_gae(rewards, batch["values"], mask, 0.9, 0.8)
+    assert torch.allclose(out["advantages"], masked_whiten(advantages, mask))
+    assert torch.allclose(out["returns"], returns)
+
+
+def test_grpo_advantage_is_the_group_normalised_score_on_every_token():
+    batch = _batch()
+    scores = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    out = compute_advantages(batch, scores, AlgorithmConfig(adv_estimator="grpo"), kl_coef=0.0)
+    per_sample = torch.tensor([1, -1, 1, -1]) / torch.tensor(2.0).sqrt()  # (x - mean) / std, n=2
+    expected = per_sample[:, None] * batch["loss_mask"]
+    assert torch.allclose(out["advantages"], expected, atol=1e-5)
+
+
+def test_micro_denominators_rebuild_the_mini_batch_aggregate():
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
+    loss = torch.arange(12.0).reshape(4, 3)
+    for mode, whole in (("token-mean", (loss * mask).sum() / mask.sum()),
+                        ("seq-mean-token-mean", ((loss * mask).sum(1) / mask.sum(1)).mean())):
+        from megatron_rlhf.algorithms.ppo import aggregate
+
+        parts = [(loss[:1], mask[:1]), (loss[1:], mask[1:])]
+        denominator = mask.sum() if mode == "token-mean" else 4.0
+        rebuilt = sum(aggregate(l, m, mode) * micro_denominator(m, mode) for l, m in parts) / denominator
+        assert torch.allclose(rebuilt, whole)
+
+
+def test_dp_slices_cover_every_row_once():
+    for count, dp in ((10, 3), (8, 2), (3, 4)):
+        rows = [i for rank in range(dp) for i in range(count)[dp_slice(count, dp, rank)]]
+        assert rows == list(range(count))
+
+
+def _config(*overrides):
+    base = ["actor.model_path=x", "data.train_files=[a.parquet]", "reward.fn=addition"]
+    return load_config(PPOConfig, None, base + list(overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.adv_estimator=grpo"], "set rollout.n >= 2"),
+    (["reward.fn=null"], "set reward.model_path"),
+    (["data.train_batch_size=10", "actor.ppo_mini_batch_size=4"], "not divisible by actor.ppo_mini_batch_size=4"),
+    (["algorithm.kl_penalty=k9"], "algorithm.kl_penalty='k9' must be one of"),
+    (["actor.clip_ratio_c=0.5"], "must exceed 1"),
+    (["rollout.backend=vllm"], "rollout.backend='vllm'"),
+    (["trainer.rollback.lr_factor=2"], "trainer.rollback needs"),
+])
+def test_bad_ppo_configs_name_the_key(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate_ppo_config(_config(*overrides))
+
+
+def test_layout_check_names_the_micro_batch():
+    cfg = validate_ppo_config(_config("actor.ppo_mini_batch_size=16",
+                                      "actor.ppo_micro_batch_size_per_rank=3"))
+    with pytest.raises(UserError, match="ppo_micro_batch_size_per_rank=3"):
+        check_layout(cfg, world=2, dp=2)
+    with pytest.raises(UserError, match="rollout.tp=2"):
+        check_layout(validate_ppo_config(_config("rollout.tp=2")), world=3, dp=3)
