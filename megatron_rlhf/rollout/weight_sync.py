@@ -3,8 +3,8 @@
 The actor's parameters are cut into fixed-size buckets, each bucket owned by one pipeline stage.
 For every bucket the owner stage puts its local TP shards into one flat buffer and all-gathers it
 over the TP group (one collective per bucket), unshards and renames the tensors to Hugging Face
-names, packs them into one flat bucket and, with PP > 1, broadcasts it from the owner stage to
-the other stages. Every rank then hands the bucket's tensors to its own generator replica (which
+names and, with PP > 1, packs them into one flat buffer broadcast from the owner stage to the
+other stages. Every rank then hands the bucket's tensors to its own generator replica (which
 keeps its TP shard of them). Data-parallel replicas each feed their own generator, so nothing
 crosses DP groups. At any time a rank holds at most one extra bucket (plus its gathered shards).
 """
@@ -90,8 +90,8 @@ class WeightSync:
     def total_bytes(self) -> int:
         return sum(e.hf_numel for b in self.buckets for e in b) * self.dtype.itemsize
 
-    def _gather_bucket(self, bucket: list[Entry]) -> torch.Tensor:
-        """On the owner stage: one flat buffer of the bucket's full HF tensors, in entry order."""
+    def _gather_bucket(self, bucket: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+        """On the owner stage: the bucket's full HF tensors, with one TP collective for all."""
         params = dict(mapped_parameters(self.model))
         locals_ = [params[e.name].detach() for e in bucket]
         tp = self.groups.layout.tp
@@ -99,7 +99,8 @@ class WeightSync:
             flat = torch.cat([t.reshape(-1) for t in locals_])
             gathered = [torch.empty_like(flat) for _ in range(tp)]
             dist.all_gather(gathered, flat, group=self.groups.tp)
-        pieces, offset = [], 0
+            del flat
+        named, offset = [], 0
         for entry, local in zip(bucket, locals_):
             rule = rule_for(entry.name, self.arch, self.padded_vocab, self._offsets)
             if tp > 1:
@@ -107,28 +108,35 @@ class WeightSync:
                 offset += local.numel()
             else:
                 shards = [local]
-            pieces += [t.reshape(-1) for t in rule.split(tp_unshard(shards, rule.tp_cut))]
-        return torch.cat(pieces)
+            named += [(n, t) for (n, _), t in zip(entry.hf, rule.split(tp_unshard(shards, rule.tp_cut)))]
+        return named
+
+    def _broadcast(self, bucket: list[Entry], named: list | None) -> list[tuple[str, torch.Tensor]]:
+        """PP > 1: the owner stage packs the bucket into one buffer and broadcasts it."""
+        owner = bucket[0].stage
+        if named is not None:
+            flat = torch.cat([t.reshape(-1) for _, t in named])
+        else:
+            numel = sum(e.hf_numel for e in bucket)
+            flat = torch.empty(numel, dtype=self.dtype, device=next(self.model.parameters()).device)
+        dist.broadcast(flat, src=self._pp_ranks[owner], group=self.groups.pp)
+        out, offset = [], 0
+        for entry in bucket:
+            for name, shape in entry.hf:
+                count = _numel(shape)
+                out.append((name, flat[offset:offset + count].view(shape)))
+                offset += count
+        return out
 
     def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yield each bucket's ``(hf_name, full tensor)`` list on every rank, in plan order."""
         for bucket in self.buckets:
-            owner = bucket[0].stage
-            if owner == self.groups.pp_rank:
-                flat = self._gather_bucket(bucket)
-            else:
-                numel = sum(e.hf_numel for e in bucket)
-                flat = torch.empty(numel, dtype=self.dtype, device=next(self.model.parameters()).device)
+            mine = bucket[0].stage == self.groups.pp_rank
+            named = self._gather_bucket(bucket) if mine else None
             if self._pp_ranks is not None:
-                dist.broadcast(flat, src=self._pp_ranks[owner], group=self.groups.pp)
-            named, offset = [], 0
-            for entry in bucket:
-                for name, shape in entry.hf:
-                    count = _numel(shape)
-                    named.append((name, flat[offset:offset + count].view(shape)))
-                    offset += count
+                named = self._broadcast(bucket, named)
             yield named
-            del flat, named
+            del named
 
     @torch.no_grad()
     def sync(self, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> dict[str, float]:
