@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "slurm"
 SLURM_LOCAL = REPO / "tools" / "slurm_local.sh"
 SCRIPTS = [SLURM_DIR / "convert_hf_to_mcore.sbatch", SLURM_DIR / "score_rm.sbatch"]
-SHELL_FILES = SCRIPTS + [SLURM_LOCAL]
+RAY_SCRIPT = SLURM_DIR / "ppo_ray.sbatch"  # one task per node: the Ray head/worker, not a rank
+SHELL_FILES = SCRIPTS + [RAY_SCRIPT, SLURM_LOCAL]
 EXIT_CANNOT_START = 3  # tools/slurm_local.sh: not root, or a daemon did not come up
 JOB_TIMEOUT_S = 240
 
@@ -175,3 +176,21 @@ def test_score_rm_sbatch_matches_single_process(slurm_env, tmp_path):
         assert got[column] == pytest.approx(want[column], abs=1e-5, rel=0)
     # The rewards are real numbers, not the zeros rank 0 starts from.
     assert any(abs(value) > 1e-6 for value in got["chosen_reward"] + got["rejected_reward"])
+
+
+@pytest.mark.slow
+def test_ppo_ray_sbatch_runs_ppo_on_the_job_ray_cluster(slurm_env, tmp_path):
+    from tests.tiny_models import build_task_workspace
+
+    ws = build_task_workspace(tmp_path / "ws", train=64, val=8, seed=0)
+    out = tmp_path / "ppo"
+    overrides = (f"actor.model_path={ws / 'base'} data.train_files=[{ws / 'data' / 'prompts_train.parquet'}] "
+                 "data.val_files=[] data.max_prompt_length=32 data.max_response_length=8 "
+                 "data.train_batch_size=16 actor.ppo_mini_batch_size=8 "
+                 "actor.ppo_micro_batch_size_per_rank=8 reward.fn=addition reward.model_path=null "
+                 f"critic.model_path=null trainer.max_steps=2 trainer.output_dir={out}")
+    env = {**slurm_env, "CONFIG": "configs/ppo/tiny_cpu.yaml", "OVERRIDES": overrides,
+           "GPUS_PER_NODE": "1"}
+    log = _sbatch(RAY_SCRIPT, ["--cpus-per-task=2"], env, tmp_path / "job.log")
+    assert "[ppo] done: 2 steps" in log
+    assert (out / "checkpoints" / "actor" / "step_00000002").is_dir()
