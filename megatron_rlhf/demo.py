@@ -4,7 +4,8 @@
 2. build a tiny random Qwen2 LM and its tokenizer;
 3. SFT warm start (``configs/sft/tiny_cpu.yaml``);
 4. export the SFT policy to Hugging Face and train a Bradley-Terry reward model from it
-   (``configs/rm/tiny_cpu.yaml``; InstructGPT starts the reward model from the SFT model);
+   (``configs/rm/tiny_cpu.yaml``, with reward centring; InstructGPT starts the reward model from
+   the SFT model);
 5. PPO from the SFT policy against that reward model (``configs/ppo/tiny_cpu.yaml``), with the
    critic started from the reward model; the task's checker is only measured, never trained on;
 6. a before/after table of held-out oracle accuracy and reward-model score, and a PNG of the curves.
@@ -118,9 +119,7 @@ def run_demo(out_dir: str) -> int:
         "train-rm", "--config", str(CONFIGS / "rm" / "tiny_cpu.yaml"), f"model.path={root / 'sft_hf'}",
         f"data.train_files=[{data / 'prefs_train.parquet'}]", f"data.val_files=[{data / 'prefs_val.parquet'}]",
         f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=8", "optim.lr=3e-4", "optim.min_lr=3e-5",
-        # Centring pins each prompt's rewards around 0, so PPO's reward differences come from
-        # the answers, not from which question was asked.
-        "loss.center_coef=0.1", "trainer.logger=console"])
+        "trainer.logger=console"])
     rm = _newest(root / "rm")
     rm_val = json.loads((root / "rm" / "final_metrics.json").read_text())
     _stage(root, "ppo", ["ppo", "--config", str(CONFIGS / "ppo" / "tiny_cpu.yaml"),
