@@ -53,7 +53,9 @@ class WeightSync:
         self.dtype = next(model.parameters()).dtype
         self.bucket_bytes = max(int(bucket_bytes), 1)
         self._offsets = layer_offsets(model)
-        mine = [self._entry(name, param) for name, param in mapped_parameters(model)]
+        # Optimizer steps update these tensors in place, so the map stays valid across syncs.
+        self._params = dict(mapped_parameters(model))
+        mine = [self._entry(name, param) for name, param in self._params.items()]
         stages: list[list[Entry]] = [None] * groups.layout.pp
         dist.all_gather_object(stages, mine, group=groups.pp)
         self.buckets = self._plan([e for stage in stages for e in stage])
@@ -92,8 +94,7 @@ class WeightSync:
 
     def _gather_bucket(self, bucket: list[Entry]) -> list[tuple[str, torch.Tensor]]:
         """On the owner stage: the bucket's full HF tensors, with one TP collective for all."""
-        params = dict(mapped_parameters(self.model))
-        locals_ = [params[e.name].detach() for e in bucket]
+        locals_ = [self._params[e.name].detach() for e in bucket]
         tp = self.groups.layout.tp
         if tp > 1:
             flat = torch.cat([t.reshape(-1) for t in locals_])

@@ -40,7 +40,6 @@ def fit(run: PPORun) -> dict[str, float]:
         if run.step >= cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics |= run.actor.call("update_actor", batch, run.step, run.kl_ctrl.value)[0]
-            metrics["actor/kl"] = metrics.pop("actor/kl_loss")
         reason = run.guard_reason(metrics)
         if reason is not None:
             run.rollback(reason)

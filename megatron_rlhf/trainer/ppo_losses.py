@@ -63,7 +63,7 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
     metrics = {"pg_loss": out.loss.detach() * tokens, "clipfrac": out.clipfrac.detach() * tokens,
                "ppo_kl": out.approx_kl.detach() * tokens,
                "entropy": masked_mean(entropy.detach(), mask) * tokens,
-               "kl_loss": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
+               "kl": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
                "count": torch.tensor(float(batch.get("real_shape", (rows,))[0]))}
     return loss * scale, metrics
 

@@ -29,7 +29,7 @@ from megatron_rlhf.trainer.engine import make_trainable, reduce_metrics, train_s
 from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, token_logprobs
 from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
 
-ACTOR_KEYS = ["pg_loss", "clipfrac", "ppo_kl", "entropy", "kl_loss", "tokens", "count"]
+ACTOR_KEYS = ["pg_loss", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
 CRITIC_KEYS = ["vf_loss", "vf_clipfrac", "tokens", "count"]
 
 
