@@ -163,7 +163,7 @@ def start(run: PPORun) -> None:
         run.restore(saved[-1])
         run.log(f"resumed from step {saved[-1]} ({run.ckpt_root})")
     else:
-        run.trim_metrics(0)
+        run.trim_metrics(-1)  # a killed run that never saved starts over: drop its rows
         run.actor.call("sync_weights")
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step)
     if run.step == 0 and t.val_before_train and run.val:
