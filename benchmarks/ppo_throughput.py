@@ -2,7 +2,11 @@
 
 Same tiny Qwen2 base (weights and tokenizer with its chat template), same prompts, same number of
 prompts per step and samples per prompt, same maximum response length, one policy update per
-step (one PPO epoch over one mini-batch holding the whole step), same CPU threads, fp32. Each
+step (one PPO epoch over one mini-batch holding the whole step), same CPU threads, fp32. That
+makes both trainers on-policy: TRL (``num_iterations=1``) and ours reuse the update's own forward
+as the old policy, and neither computes reference log-probs (TRL ``beta=0``; ours: no KL term, so
+``algorithm.ref_log_prob=auto`` loads no reference model). Both pad each batch to its longest
+sequence (``--pack`` packs ours instead, see ``data.use_remove_padding``). Each
 trainer runs in its own process, one after the other. The rate counts only the training steps
 after ``--warmup`` steps (start-up, data loading and model loading excluded); the whole command's
 wall time, start-up included (Ray for ours), is reported apart. Tokens are real (non-padding)
@@ -152,6 +156,7 @@ def run_ours(base: Path, data: Path, work: Path, args) -> dict:
                "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={samples}",
                f"actor.ppo_micro_batch_size_per_rank={args.micro or samples}",
                f"actor.optim.lr={args.lr}", f"actor.optim.min_lr={args.lr}",
+               f"data.use_remove_padding={str(args.pack).lower()}",
                f"trainer.max_steps={args.steps}", f"trainer.output_dir={out}",
                "trainer.logger=console", "trainer.save_every_steps=0", "trainer.log_every_steps=1",
                "trainer.val_before_train=false", "trainer.n_gpus_per_node=1"]
@@ -238,6 +243,7 @@ def main() -> None:
                         help="our micro-batch (samples per forward/backward; default P*G, like TRL's "
                              "single batch)")
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--pack", action="store_true", help="pack our micro-batches")
     parser.add_argument("--only", choices=("ours", "trl"), default=None, help="run one side only")
     parser.add_argument("--out", type=Path, default=None, help="JSON result (default WORK/result.json)")
     args = parser.parse_args()
@@ -261,6 +267,7 @@ def main() -> None:
     record = {"config": {"prompts": args.prompts, "n": args.n, "response_length": args.response_length,
                          "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
                          "micro": args.micro or args.prompts * args.n, "lr": args.lr,
+                         "pack": args.pack,
                          "prompt_tokens_mean": sum(lengths) / len(lengths)},
               "summary": summary, "per_step": {k: r["steps"] for k, r in results.items()},
               "trl_generation_kv_cache": results.get("trl", {}).get("generation_kv_cache")}

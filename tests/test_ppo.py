@@ -155,3 +155,27 @@ def test_separate_critic_pool_runs(workspace, tmp_path):
     assert "+ 1 critic rank(s)" in stdout
     assert (out / "checkpoints" / "critic" / "step_00000002").is_dir()
     assert [r["step"] for r in metrics(out) if "critic/vf_loss" in r] == [1, 2]
+
+
+def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_update(workspace, tmp_path):
+    """One epoch over one mini-batch: old log-probs come from the update's own forward and no
+    reference model is loaded. Forcing both passes back (a zero-weight in-reward KL needs them)
+    must give the same update."""
+    grpo = ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.ppo_epochs=1",
+            "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_rank=16",
+            "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0", "trainer.max_steps=2",
+            "trainer.eval_every_steps=0", "trainer.val_before_train=false"]
+    runs = {}
+    for label, kl in (("on_policy", "false"), ("recomputed", "true")):
+        out = tmp_path / label
+        code, stdout, stderr = finish(ppo(overrides(workspace, out, *grpo,
+                                                    f"algorithm.use_kl_in_reward={kl}")))
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+        runs[label] = [r for r in metrics(out) if "actor/pg_loss" in r]
+    fast, slow = runs["on_policy"], runs["recomputed"]
+    assert all("actor/kl" not in r and "rollout/logprob_diff_max" not in r for r in fast)
+    assert all("actor/kl" in r and r["rollout/logprob_diff_max"] < 1e-4 for r in slow)
+    for a, b in zip(fast, slow):
+        assert a["actor/ppo_kl"] == 0.0 and a["actor/clipfrac"] == 0.0  # ratio exactly 1
+        for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reward/score_mean"):
+            assert abs(a[key] - b[key]) < 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])

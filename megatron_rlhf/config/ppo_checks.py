@@ -17,6 +17,21 @@ def _positive(name: str, value) -> None:
         raise UserError(f"config: {name}={value} must be positive")
 
 
+def uses_reference(cfg: PPOConfig) -> bool:
+    """Whether the run needs the reference model's log-probs."""
+    return (cfg.algorithm.ref_log_prob == "always" or cfg.algorithm.use_kl_in_reward
+            or cfg.actor.use_kl_loss or cfg.trainer.rollback.kl_threshold > 0)
+
+
+def reuses_update_log_probs(cfg: PPOConfig) -> bool:
+    """On-policy updates (one epoch, one mini-batch per step): the old policy *is* the policy
+    being updated, so its log-probs come from the update's own forward (ratio exactly 1, as in
+    TRL and verl) instead of a separate pass. An in-reward KL still needs them beforehand."""
+    a = cfg.actor
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    return a.ppo_epochs == 1 and a.ppo_mini_batch_size >= samples and not cfg.algorithm.use_kl_in_reward
+
+
 def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     """Checks that need no model or process group (layout checks follow in the workers)."""
     d, a, r, alg, t = cfg.data, cfg.actor, cfg.rollout, cfg.algorithm, cfg.trainer
@@ -38,6 +53,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("data.overlong", d.overlong, ("drop", "truncate"))
     _choice("algorithm.adv_estimator", alg.adv_estimator, ("gae", "grpo", "rloo"))
     _choice("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
+    _choice("algorithm.ref_log_prob", alg.ref_log_prob, ("auto", "always"))
     _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ("fixed", "adaptive"))
     _choice("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
     _choice("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)

@@ -31,6 +31,9 @@ class PPODataConfig:
     """Prompts over ``max_prompt_length``: ``drop`` or ``truncate`` (keep the end)."""
     train_batch_size: int = 64
     """Prompts per PPO step, global."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's samples into rows of ``max_prompt_length + max_response_length``
+    tokens (block-diagonal attention) instead of padding every sample to the longest."""
     shuffle: bool = True
 
 
@@ -61,6 +64,10 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"
     """Estimator for the in-reward KL: k1, abs, k2/mse, k3/low_var_kl."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    ref_log_prob: str = "auto"
+    """``auto``: reference log-probs (and the reference model) only when a KL term
+    (``use_kl_in_reward``, ``actor.use_kl_loss``) or the KL rollback guard needs them;
+    ``always``: also to monitor ``actor/kl`` when nothing uses it."""
 
 
 @dataclass

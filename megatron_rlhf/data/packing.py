@@ -105,3 +105,50 @@ def pad_to_common_shape(batches: list[dict], pad_id: int = 0) -> list[dict]:
     rows = max(b["input_ids"].shape[0] for b in batches)
     length = max(b["input_ids"].shape[1] for b in batches)
     return [pad_batch(b, rows, length, pad_id) for b in batches]
+
+
+def pack_token_grid(batch: dict, capacity: int, pad_id: int = 0) -> dict:
+    """Pack a right-padded micro-batch (``input_ids``, ``targets`` and per-token ``[n, T]``
+    tensors, ``lengths [n, 1]``) into rows of at most ``capacity`` tokens.
+
+    The model sees packed ``input_ids``/``targets [R, L]`` and the block-diagonal mask; every
+    other per-token tensor stays on the sample grid under ``grid``, with ``unpack_row`` and
+    ``unpack_col [n, T]`` giving where token ``t`` of sample ``i`` sits in the packed rows, so
+    per-token outputs map back with :func:`to_grid`. ``grid`` is a nested dict so that
+    :func:`pad_batch` (pipeline padding) leaves it alone.
+    """
+    lengths = batch["lengths"].reshape(-1).tolist()
+    tokens = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
+    packed = pack_sequences(tokens, capacity, pad_id)
+    count, width = batch["input_ids"].shape
+    positions = torch.arange(width)
+    valid = positions[None, :] < torch.tensor(lengths)[:, None]
+    start = packed.last_index[:, 1] - torch.tensor(lengths) + 1
+    unpack_col = torch.where(valid, start[:, None] + positions[None, :], 0)
+    unpack_row = packed.last_index[:, :1].expand(count, width).clone()
+    targets = torch.full_like(packed.input_ids, pad_id)
+    targets[unpack_row[valid], unpack_col[valid]] = batch["targets"][valid]
+    grid = {k: v for k, v in batch.items()
+            if torch.is_tensor(v) and v.dim() == 2 and k not in ("input_ids", "targets")}
+    return {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
+            "targets": targets, "grid": {**grid, "unpack_row": unpack_row, "unpack_col": unpack_col},
+            **{k: v for k, v in batch.items() if not torch.is_tensor(v)}}
+
+
+def to_grid(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
+    """A model output per position (``[R, L, ...]``) on the sample grid ``[n, T, ...]``: packed
+    batches are unpacked; padded ones are cut to their own rows and width."""
+    grid = batch.get("grid")
+    if grid is None:
+        rows, width = batch["input_ids"].shape if "real_shape" not in batch else batch["real_shape"]
+        return per_token[:rows, :width]
+    return per_token[grid["unpack_row"], grid["unpack_col"]]
+
+
+def grid_tensor(batch: dict, key: str) -> torch.Tensor:
+    """Per-token input ``key`` on the sample grid (see :func:`to_grid`)."""
+    grid = batch.get("grid")
+    if grid is None:
+        rows, width = batch["input_ids"].shape if "real_shape" not in batch else batch["real_shape"]
+        return batch[key][:rows, :width]
+    return grid[key]

@@ -49,8 +49,9 @@ def fit(run: PPORun) -> dict[str, float]:
         run.kl_ctrl.update(sample_kl(adv["kl"], batch["loss_mask"]), len(gens))
         run.step += 1
         metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | timer
-        metrics |= {"rollout/kl_ref": token_kl(adv["kl"], batch["loss_mask"]),
-                    "actor/kl_coef": run.kl_ctrl.value, "step": run.step}
+        metrics |= {"actor/kl_coef": run.kl_ctrl.value, "step": run.step}
+        if batch.get("ref_logprobs") is not None:
+            metrics["rollout/kl_ref"] = token_kl(adv["kl"], batch["loss_mask"])
         run.logger.count(len(gens), float(batch["lengths"].sum()))
         if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
             shown = {k.split("/")[-1]: metrics[k] for k in ("reward/score_mean", "actor/kl") if k in metrics}

@@ -128,9 +128,18 @@ class PPORun:
 
     def log_probs(self, batch: dict, gens: list[Generation]) -> dict[str, float]:
         """Old (actor) and reference log-probs into ``batch``; returns how far the engine's own
-        log-probs are from the actor's (a wrong weight sync shows up here first)."""
-        old, ref = (cat_rows(parts) for parts in zip(*stitch(self.actor.call("compute_log_probs", batch))))
+        log-probs are from the actor's (a wrong weight sync shows up here first). Passes nothing
+        uses are skipped: see :func:`uses_reference` and :func:`reuses_update_log_probs`."""
+        from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_reference
+
+        need_old, need_ref = not reuses_update_log_probs(self.cfg), uses_reference(self.cfg)
+        if not (need_old or need_ref):
+            return {}
+        parts = stitch(self.actor.call("compute_log_probs", batch, need_old, need_ref))
+        old, ref = (cat_rows(p) for p in zip(*parts))
         batch["old_logprobs"], batch["ref_logprobs"] = old, ref
+        if old is None:
+            return {}
         engine = torch.zeros_like(old)
         for row, gen in enumerate(gens):
             start = int(batch["loss_mask"][row].nonzero()[0])

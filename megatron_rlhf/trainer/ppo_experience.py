@@ -37,9 +37,11 @@ def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], p
 def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig,
                        kl_coef: float) -> dict[str, torch.Tensor]:
     """Rewards, advantages and returns ``[N, T]`` from sequence ``scores [N]`` and the batch's
-    ``old_logprobs``, ``ref_logprobs`` (and ``values`` for GAE)."""
+    ``old_logprobs``, ``ref_logprobs`` (and ``values`` for GAE); the KL is 0 without both."""
     mask = batch["loss_mask"]
-    kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
+    kl = torch.zeros_like(mask)
+    if batch.get("old_logprobs") is not None and batch.get("ref_logprobs") is not None:
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
     if cfg.adv_estimator == "gae":
         rewards = token_level_rewards(scores, mask, kl if cfg.use_kl_in_reward else None, kl_coef)
         advantages, returns = compute_gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)

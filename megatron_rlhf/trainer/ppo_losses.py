@@ -12,6 +12,7 @@ import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
 from megatron_rlhf.algorithms.ppo import aggregate, entropy_from_logits, kl_estimate, policy_loss, value_loss
+from megatron_rlhf.data.packing import grid_tensor, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.forward import gather_vocab_parallel, token_cross_entropy
 
@@ -41,21 +42,25 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, groups: ParallelGroups,
 def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: ParallelGroups,
                cfg, kl_loss_coef: float, temperature: float):
     """PPO clipped surrogate (+ entropy bonus, + KL loss) of one micro-batch; ``cfg`` is the
-    ``actor`` config section. Returns (scaled loss, metric sums)."""
-    rows, length = logits.shape[:2]
-    take = lambda key: batch[key][:rows, :length].to(logits.device)  # noqa: E731
+    ``actor`` config section. Returns (scaled loss, metric sums). Per-token terms are computed
+    on the model's (possibly packed) rows, then moved to the sample grid for the loss math."""
+    take = lambda key: grid_tensor(batch, key).to(logits.device)  # noqa: E731
     mask = take("loss_mask")
-    logprob = token_logprobs(logits, take("targets"), vocab_size, groups, temperature)
+    targets = batch["targets"][:logits.shape[0], :logits.shape[1]]
+    logprob = to_grid(token_logprobs(logits, targets, vocab_size, groups, temperature), batch)
     clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
-    out = policy_loss(take("old_logprobs"), logprob, take("advantages"), mask, clip_low, clip_high,
+    # Without stored old log-probs the update is on-policy (see reuses_update_log_probs).
+    old = take("old_logprobs") if _has(batch, "old_logprobs") else logprob.detach()
+    out = policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high,
                       cfg.clip_ratio_c or None, cfg.loss_agg_mode)
     loss = out.loss
     with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):
-        entropy = token_entropy(logits, vocab_size, groups, temperature)
+        entropy = to_grid(token_entropy(logits, vocab_size, groups, temperature), batch)
     if cfg.entropy_coeff > 0:
         loss = loss - cfg.entropy_coeff * aggregate(entropy, mask, cfg.loss_agg_mode)
-    kl = kl_estimate(logprob, take("ref_logprobs"), cfg.kl_loss_type)
+    kl = (kl_estimate(logprob, take("ref_logprobs"), cfg.kl_loss_type) if _has(batch, "ref_logprobs")
+          else torch.zeros_like(logprob))
     if cfg.use_kl_loss:
         loss = loss + kl_loss_coef * aggregate(kl, mask, cfg.loss_agg_mode)
     tokens = mask.sum()
@@ -64,20 +69,23 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
                "ppo_kl": out.approx_kl.detach() * tokens,
                "entropy": masked_mean(entropy.detach(), mask) * tokens,
                "kl": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
-               "count": torch.tensor(float(batch.get("real_shape", (rows,))[0]))}
+               "count": torch.tensor(float(mask.shape[0]))}
     return loss * scale, metrics
+
+
+def _has(batch: dict, key: str) -> bool:
+    return key in batch.get("grid", batch)
 
 
 def critic_loss(output: torch.Tensor, batch: dict, *, cliprange_value: float, agg_mode: str):
     """Clipped value loss of one micro-batch from the value head ``[b, t, 1]``."""
-    rows, length = output.shape[:2]
-    take = lambda key: batch[key][:rows, :length].to(output.device)  # noqa: E731
+    take = lambda key: grid_tensor(batch, key).to(output.device)  # noqa: E731
     mask = take("loss_mask")
-    values = output[..., 0].float()
+    values = to_grid(output[..., 0].float(), batch)
     loss, clipfrac = value_loss(values, take("values"), take("returns"), mask,
                                 cliprange_value or None, agg_mode)
     tokens = mask.sum()
     scale = micro_denominator(mask, agg_mode) * batch["loss_weight"]
     metrics = {"vf_loss": loss.detach() * tokens, "vf_clipfrac": clipfrac.detach() * tokens,
-               "tokens": tokens, "count": torch.tensor(float(batch.get("real_shape", (rows,))[0]))}
+               "tokens": tokens, "count": torch.tensor(float(mask.shape[0]))}
     return loss * scale, metrics

@@ -15,17 +15,20 @@ import torch
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.config.loader import batch_plan
+from megatron_rlhf.config.ppo_checks import uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
 from megatron_rlhf.convert.hf_io import HFReader
 from megatron_rlhf.convert.weights import load_hf_weights
+from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
-from megatron_rlhf.trainer.engine import make_trainable, reduce_metrics, train_step, training_dtype
+from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics, train_step,
+                                          training_dtype)
 from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, token_logprobs
 from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
 
@@ -69,14 +72,17 @@ def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype):
     return model, arch, Path(path), padded
 
 
-def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = None) -> list[dict]:
-    """Micro-batches of ``size`` rows of ``batch``, each cut to its longest sequence."""
+def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = None,
+                  pack_capacity: int = 0) -> list[dict]:
+    """Micro-batches of ``size`` rows of ``batch``, each cut to its longest sequence, or packed
+    into rows of ``pack_capacity`` tokens when that is set."""
     out = []
     for start in range(0, len(rows), size):
         index = torch.tensor(rows[start:start + size])
         length = int(batch["lengths"][index].max())
         micro = {k: v[index, :length] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
-        out.append({**micro, **(extra or {})})
+        micro |= extra or {}
+        out.append(pack_token_grid(micro, pack_capacity) if pack_capacity else micro)
     return out
 
 
@@ -90,6 +96,10 @@ class PPOWorker:
         self.dtype = training_dtype(config.actor.dtype)
         self.groups = build_parallel_groups(layout, seed=config.trainer.seed)
         self.lr_scale = 1.0
+        data = config.data
+        self.pack_capacity = 0
+        if packing_supported(data.use_remove_padding, "ppo"):
+            self.pack_capacity = data.max_prompt_length + data.max_response_length
         if "actor" in roles:
             self._build_actor(total_updates)
         if "critic" in roles:
@@ -106,9 +116,11 @@ class PPOWorker:
         cfg = self.config
         model, self.arch, self.hf_dir, self.padded = load_policy(cfg.actor.model_path, self.groups,
                                                                  self.dtype)
-        self.ref = load_policy(cfg.actor.model_path, self.groups, self.dtype)[0].eval()
-        for p in self.ref.parameters():
-            p.requires_grad_(False)
+        self.ref = None
+        if uses_reference(cfg):
+            self.ref = load_policy(cfg.actor.model_path, self.groups, self.dtype)[0].eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
         self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates)
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, local_files_only=True)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir, local_files_only=True)
@@ -183,20 +195,23 @@ class PPOWorker:
 
     def _forward(self, model, batch: dict, head) -> torch.Tensor | None:
         size = self.config.actor.ppo_micro_batch_size_per_rank
-        outputs = pipeline_forward(model, self.groups, micro_batches(batch, self._mine(batch), size), head)
+        micro = micro_batches(batch, self._mine(batch), size, pack_capacity=self.pack_capacity)
+        outputs = pipeline_forward(model, self.groups, micro, head)
         if not outputs:
             return None
         width = batch["input_ids"].shape[1]
         return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() == 2 else o
                           for o in outputs])
 
-    def compute_log_probs(self, batch: dict) -> tuple | None:
-        """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each."""
+    def compute_log_probs(self, batch: dict, old: bool = True, ref: bool = True) -> tuple | None:
+        """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
+        for the ones not asked for)."""
         temperature = self.config.rollout.temperature or 1.0
-        head = lambda out, b: token_logprobs(out, b["targets"], self.arch.vocab_size,  # noqa: E731
-                                             self.groups, temperature) * b["loss_mask"]
-        old = self._forward(self.actor.module, batch, head)
-        ref = self._forward(self.ref, batch, head)
+        head = lambda out, b: to_grid(token_logprobs(  # noqa: E731
+            out, b["targets"][:out.shape[0], :out.shape[1]], self.arch.vocab_size, self.groups,
+            temperature), b) * grid_tensor(b, "loss_mask")
+        old = self._forward(self.actor.module, batch, head) if old else None
+        ref = self._forward(self.ref, batch, head) if ref else None
         return self._output((old, ref))
 
     def compute_values(self, batch: dict) -> tuple | None:
@@ -204,10 +219,11 @@ class PPOWorker:
         values = scores = None
         if self.critic is not None:
             values = self._forward(self.critic.module, batch,
-                                   lambda out, b: out[..., 0].float() * b["loss_mask"])
+                                   lambda out, b: to_grid(out[..., 0].float(), b) * grid_tensor(b, "loss_mask"))
         if self.rm is not None:
             scores = self._forward(self.rm, batch,
-                                   lambda out, b: last_token_rewards(out, b["lengths"].squeeze(1)))
+                                   lambda out, b: last_token_rewards(to_grid(out, b),
+                                                                     grid_tensor(b, "lengths")[:, 0]))
         return self._output((values, scores))
 
     # ----------------------------------------------------------------------------- updates
@@ -225,7 +241,8 @@ class PPOWorker:
                 rows = order[start:start + plan.per_step]
                 weight = plan.micro_batches_per_step * g.layout.dp / denominator(batch, rows)
                 mine = rows[dp_slice(len(rows), g.layout.dp, g.dp_rank)]
-                micro = micro_batches(batch, mine, plan.per_micro_batch, {"loss_weight": weight})
+                micro = micro_batches(batch, mine, plan.per_micro_batch, {"loss_weight": weight},
+                                      self.pack_capacity)
                 result = train_step(trainable, micro, loss)
                 sums.append(reduce_metrics(result.metrics, g, keys) | {"grad_norm": result.grad_norm,
                                                                         "lr": result.lr})
@@ -238,7 +255,10 @@ class PPOWorker:
                                          temperature=self.config.rollout.temperature or 1.0)
         sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
                             lambda b, rows: _denominator(b, rows, cfg.loss_agg_mode))
-        return _average(sums, "actor")
+        out = _average(sums, "actor")
+        if self.ref is None:  # no reference model: no KL to report
+            del out["actor/kl"]
+        return out
 
     def update_critic(self, batch: dict, step: int) -> dict:
         cfg = self.config
