@@ -6,7 +6,9 @@ A Qwen2-shaped Megatron actor is built at trainer TP=2 (and again at PP=2); the 
 streams it into an HF rollout engine (TP=1) on every rank. The floor moves the same bytes the
 cheapest possible way: each rank all-gathers its 1/world share of one flat buffer and copies the
 result once into a second buffer (what any sync must at least do: gather, then write into the
-engine). Reported: median of ``--repeats`` timed runs after one warm-up.
+engine). Reported: median of ``--repeats`` timed runs after one warm-up, sync and floor taking
+turns. The engine adopts the contiguous tensors the sync hands it instead of copying them (see
+``HFGenerator.load_weights``), so a sync can beat this floor.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
 from megatron_rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def timed(fns: list, repeats: int) -> list[float]:
+    """Median seconds of each of ``fns``, run in turns (one warm-up round) so that background
+    load on a shared machine hits all of them alike."""
+    times = [[] for _ in fns]
+    for round_ in range(repeats + 1):
+        for fn, samples in zip(fns, times):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            dist.barrier()
+            if round_:
+                samples.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def floor_fn(total_bytes: int, dtype: torch.dtype):
@@ -64,7 +69,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--bucket-mb", type=float, default=64.0)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     from transformers import Qwen2Config
@@ -88,8 +93,8 @@ def main() -> None:
         padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
         model = build_model(arch, groups, torch.float32, padded)
         sync = WeightSync(model, arch, groups, padded, int(args.bucket_mb * 2 ** 20))
-        seconds = timed(lambda: sync.sync(engine.load_weights), args.repeats)
-        floor = timed(floor_fn(sync.total_bytes, torch.float32), args.repeats)
+        seconds, floor = timed([lambda: sync.sync(engine.load_weights),
+                                floor_fn(sync.total_bytes, torch.float32)], args.repeats)
         rows.append({"layout": label, "bytes": sync.total_bytes, "buckets": len(sync.buckets),
                      "sync_s": seconds, "floor_s": floor, "ratio": seconds / floor})
         del model, sync

@@ -35,6 +35,10 @@ class HFGenerator:
         self._tied = {n for n in self.model.state_dict() if n not in self._params}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take each tensor's values. A contiguous tensor of the right dtype and device is adopted
+        as the parameter's storage instead of copied: the weight sync hands over storage it never
+        writes again (fresh gathers, or the trainer's own parameters when no resharding is
+        needed, which the next sync would deliver anyway), so the engine's copy pass is saved."""
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._params.get(name)
@@ -45,7 +49,11 @@ class HFGenerator:
                 if param.shape != tensor.shape:
                     raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the "
                                      f"engine expects {tuple(param.shape)}")
-                _local(param).copy_(_local_shard(param, tensor))
+                if (not _is_dtensor(param) and tensor.is_contiguous() and tensor.dtype == param.dtype
+                        and tensor.device == param.device):
+                    param.data = tensor.detach()
+                else:
+                    _local(param).copy_(_local_shard(param, tensor))
 
     def release_memory(self) -> None:
         """Drop the weight storage (a DTensor keeps its local shard: TP engines stay resident)."""
