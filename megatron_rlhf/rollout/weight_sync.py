@@ -1,8 +1,8 @@
 """Resharding weight sync: trainer layout (TP x PP x DP) -> the generator's HF-named weights.
 
 The actor's parameters are cut into fixed-size buckets, each bucket owned by one pipeline stage.
-For every bucket the owner stage puts its local TP shards into one flat buffer and all-gathers it
-over the TP group (one collective per bucket), unshards and renames the tensors to Hugging Face
+For every bucket the owner stage all-gathers each TP-cut tensor over the TP group straight into
+its full layout (replicated tensors need no collective), renames the tensors to Hugging Face
 names and, with PP > 1, packs them into one flat buffer broadcast from the owner stage to the
 other stages. Every rank then hands the bucket's tensors to its own generator replica (which
 keeps its TP shard of them). Data-parallel replicas each feed their own generator, so nothing
@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.convert.mapping import layer_offsets, mapped_parameters, rule_for, tp_unshard
+from megatron_rlhf.convert.mapping import (REPLICATED, ROWS, layer_offsets, mapped_parameters, rule_for,
+                                           tp_unshard)
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.hf_config import ModelArch
 
@@ -93,23 +94,25 @@ class WeightSync:
         return sum(e.hf_numel for b in self.buckets for e in b) * self.dtype.itemsize
 
     def _gather_bucket(self, bucket: list[Entry]) -> list[tuple[str, torch.Tensor]]:
-        """On the owner stage: the bucket's full HF tensors, with one TP collective for all."""
-        locals_ = [self._params[e.name].detach() for e in bucket]
-        tp = self.groups.layout.tp
-        if tp > 1:
-            flat = torch.cat([t.reshape(-1) for t in locals_])
-            gathered = [torch.empty_like(flat) for _ in range(tp)]
-            dist.all_gather(gathered, flat, group=self.groups.tp)
-            del flat
-        named, offset = [], 0
-        for entry, local in zip(bucket, locals_):
+        """On the owner stage: the bucket's full HF tensors.
+
+        Each TP-cut tensor is all-gathered straight from the parameter into a fresh buffer: for
+        a row cut that buffer already *is* the full tensor, so neither a packed send buffer nor
+        an unsharding copy is written (one full-bucket memory pass each; the sync is bound by
+        memory bandwidth). Replicated tensors are not gathered at all.
+        """
+        tp, named = self.groups.layout.tp, []
+        for entry in bucket:
+            local = self._params[entry.name].detach()
             rule = rule_for(entry.name, self.arch, self.padded_vocab, self._offsets)
-            if tp > 1:
-                shards = [g[offset:offset + local.numel()].view(local.shape) for g in gathered]
-                offset += local.numel()
-            else:
-                shards = [local]
-            named += [(n, t) for (n, _), t in zip(entry.hf, rule.split(tp_unshard(shards, rule.tp_cut)))]
+            full = local
+            if tp > 1 and rule.tp_cut != REPLICATED:
+                full = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                                   device=local.device)
+                dist.all_gather_single(full, local.contiguous(), group=self.groups.tp)
+                if rule.tp_cut != ROWS:
+                    full = tp_unshard(list(full.view(tp, *local.shape).unbind(0)), rule.tp_cut)
+            named += [(n, t) for (n, _), t in zip(entry.hf, rule.split(full))]
         return named
 
     def _broadcast(self, bucket: list[Entry], named: list | None) -> list[tuple[str, torch.Tensor]]:
