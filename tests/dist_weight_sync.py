@@ -80,13 +80,18 @@ def run_scenario(root: Path, model_name: str, layout, gen_tp: int, bucket: int) 
     engine = HFGenerator(str(root / model_name), torch.float32, pad_id=0, eos_id=1, tp_size=gen_tp)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     before = engine.generate(PROMPTS, params)
+    resident = engine.resident_bytes()
+    engine.release_memory()  # as in training: the engine frees its weights, the sync refills them
+    released = engine.resident_bytes()
+    engine.resume_memory()
     sync = WeightSync(model, arch, groups, padded, bucket)
     stats = sync.sync(engine.load_weights)
     after = engine.generate(PROMPTS, params)
     diff = gap(model, groups, arch, after)
     before_gap = gap(model, groups, arch, before)  # the engine's random weights: far off
     return {"max_abs_diff": max_over_world(diff), "diff_before_sync": max_over_world(before_gap),
-            "buckets": stats["buckets"], "bytes": stats["bytes"]}
+            "buckets": stats["buckets"], "bytes": stats["bytes"],
+            "resident_bytes": resident, "released_bytes": released}
 
 
 def main() -> None:

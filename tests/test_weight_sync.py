@@ -38,6 +38,12 @@ def test_engine_logprobs_match_trainer_after_sync(sync_results, scenario):
     assert result["diff_before_sync"] > 1e-2  # the comparison can fail
 
 
+@pytest.mark.parametrize("scenario", ["tp2_to_gen_tp1", "tp2_to_gen_tp2"])
+def test_engine_releases_its_weights(sync_results, scenario):
+    result = sync_results[scenario]
+    assert result["resident_bytes"] > 100_000 and result["released_bytes"] == 0
+
+
 def test_small_bucket_splits_into_many(sync_results):
     # 4 KiB buckets are smaller than most tensors: each such tensor travels alone.
     assert sync_results["tp2_small_bucket"]["buckets"] > 20

@@ -31,7 +31,7 @@ class HFGenerator:
             self.model = _tensor_parallel_model(config, dtype, tp_size)
         self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
         self._params = dict(self.model.named_parameters())
-        self._shapes = {n: p.shape for n, p in self._params.items()}
+        self._shapes = {n: _local(p).shape for n, p in self._params.items()}
         self._tied = {n for n in self.model.state_dict() if n not in self._params}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -56,16 +56,21 @@ class HFGenerator:
                     _local(param).copy_(_local_shard(param, tensor))
 
     def release_memory(self) -> None:
-        """Drop the weight storage (a DTensor keeps its local shard: TP engines stay resident)."""
+        """Drop the weight storage (this rank's shard of each DTensor with ``tp_size > 1``)."""
         for param in self._params.values():
-            if not _is_dtensor(param):
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            _storage_holder(param).data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._released = True
 
     def resume_memory(self) -> None:
+        """Allocate (uninitialised) weight storage again; the next weight sync fills it."""
         for name, param in self._params.items():
-            if not _is_dtensor(param) and param.numel() == 0 and self._shapes[name].numel():
-                param.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+            holder = _storage_holder(param)
+            if holder.numel() == 0 and self._shapes[name].numel():
+                holder.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+
+    def resident_bytes(self) -> int:
+        """Bytes of weight storage this rank holds now."""
+        return sum(_local(p).numel() * p.element_size() for p in self._params.values())
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -116,6 +121,12 @@ def _is_dtensor(tensor) -> bool:
 
 def _local(param):
     return param.to_local() if _is_dtensor(param) else param
+
+
+def _storage_holder(param) -> torch.Tensor:
+    """The plain tensor whose ``.data`` is the weight storage: the parameter itself, or a
+    DTensor's local shard (DTensor has no public way to swap that storage)."""
+    return param._local_tensor if _is_dtensor(param) else param
 
 
 def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
