@@ -2,6 +2,7 @@
 updates. Exact resume after kill -9, rollback on a KL spike, layout parity, fail-fast."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -179,3 +180,36 @@ def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_upda
         assert a["actor/ppo_kl"] == 0.0 and a["actor/clipfrac"] == 0.0  # ratio exactly 1
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reward/score_mean"):
             assert abs(a[key] - b[key]) < 1e-4 * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+def test_feedback_tokens_continue_the_chat_template(workspace):
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.rollout.multi_turn import feedback_tokens
+
+    tok = AutoTokenizer.from_pretrained(workspace / "base")
+    chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "Try again."}]
+    prompt = tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
+    answer = "5" + tok.decode([tok.eos_token_id])
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    whole = ids(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert ids(prompt) + ids(answer) + feedback_tokens(tok, "Try again.", tok.eos_token_id) == whole
+
+
+def test_multi_turn_ppo_retries_and_trains(workspace, tmp_path):
+    out = tmp_path / "run"
+    # The tiny base is untrained and never says its end token: ending a turn at any digit
+    # gives it finished, mostly wrong turns to retry.
+    digits = ",".join(f'"{d}"' for d in range(10))
+    args = overrides(workspace, out, "rollout.max_turns=3", f"rollout.stop=[{digits}]",
+                     "rollout.n=4", "actor.ppo_mini_batch_size=32",
+                     "actor.ppo_micro_batch_size_per_rank=16", "trainer.max_steps=2",
+                     "trainer.eval_every_steps=0", "trainer.val_before_train=false")
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = [r for r in metrics(out) if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    assert all(1.1 < r["response/turns_mean"] <= 3 for r in rows)
+    assert all(math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["critic/vf_loss"]) for r in rows)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)  # engine = actor on every turn

@@ -110,3 +110,46 @@ def test_layout_check_names_the_micro_batch():
         check_layout(cfg, world=2, dp=2)
     with pytest.raises(UserError, match="rollout.tp=2"):
         check_layout(validate_ppo_config(_config("rollout.tp=2")), world=3, dp=3)
+
+
+def test_multi_turn_rollout_retries_unsolved_turns_only():
+    from megatron_rlhf.rollout.base import SamplingParams
+    from megatron_rlhf.rollout.multi_turn import run_turns
+
+    calls = []
+
+    def generate(prompts, params):
+        # An engine stand-in: answer 50 + prompt length; prompt 1's first answer is cut off.
+        calls.append([list(p) for p in prompts])
+        return [Generation(i, [50 + len(p), 2], [-0.5, -0.25], not (len(p) == 2 and len(calls) == 1))
+                for i, p in enumerate(prompts) for _ in range(params.n)]
+
+    score = lambda i, tokens: float(tokens[0] > 56)  # noqa: E731  only a longer context solves it
+    feedback = [90, 91]
+    out = run_turns(generate, [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=4), score, 3, feedback)
+    # Prompt 0: turn 1 wrong (53) -> feedback -> turn 2 answers 50 + 3 + 2 + 2 = 57: solved, stop.
+    first = out[0]
+    assert first.tokens == [53, 2, 90, 91, 57, 2]
+    assert first.mask == [1, 1, 0, 0, 1, 1]
+    assert first.logprobs == [-0.5, -0.25, 0.0, 0.0, -0.5, -0.25]
+    assert first.turn_ends == [1, 5] and first.turn_scores == [0.0, 1.0]
+    # Prompt 1 hit max_tokens without a stop token: the episode ends after one turn.
+    assert out[1].turn_ends == [1] and out[1].mask == [1, 1]
+    assert calls[1] == [[1, 2, 3, 53, 2, 90, 91]] and len(calls) == 2
+
+
+def test_multi_turn_gae_puts_each_turn_reward_on_its_last_token():
+    from megatron_rlhf.algorithms.advantages import turn_rewards
+
+    gens = [Generation(0, [5, 6, 90, 91, 7, 8], [0.0] * 6, True, mask=[1, 1, 0, 0, 1, 1],
+                       turn_ends=[1, 5], turn_scores=[0.0, 1.0])]
+    batch = build_batch([(10, 11)], gens, pad_id=0)
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 0]]
+    batch["turn_rewards"] = turn_rewards([[-0.5, 1.0]], [[1 + 1, 1 + 5]], 8)
+    batch["values"] = torch.zeros(1, 8)
+    batch["old_logprobs"] = batch["ref_logprobs"] = torch.zeros(1, 8)
+    cfg = AlgorithmConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
+    out = compute_advantages(batch, torch.tensor([0.5]), cfg, kl_coef=0.0)
+    assert out["rewards"].tolist() == [[0, 0, -0.5, 0, 0, 0, 1.0, 0]]
+    # Reward-to-go over the policy's tokens; environment tokens get nothing.
+    assert out["advantages"].tolist() == [[0, 0.5, 0.5, 0, 0, 1.0, 1.0, 0]]

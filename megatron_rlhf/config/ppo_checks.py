@@ -45,6 +45,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("actor.ppo_epochs", a.ppo_epochs), ("actor.optim.lr", a.optim.lr),
                         ("critic.optim.lr", cfg.critic.optim.lr), ("rollout.n", r.n),
                         ("rollout.tp", r.tp), ("rollout.bucket_size_mb", r.bucket_size_mb),
+                        ("rollout.max_turns", r.max_turns),
                         ("trainer.total_epochs", t.total_epochs),
                         ("trainer.n_gpus_per_node", t.n_gpus_per_node), ("trainer.nnodes", t.nnodes),
                         ("trainer.log_every_steps", t.log_every_steps),
@@ -54,6 +55,9 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("algorithm.adv_estimator", alg.adv_estimator, ("gae", "grpo", "rloo"))
     _choice("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
     _choice("algorithm.ref_log_prob", alg.ref_log_prob, ("auto", "always"))
+    if r.max_turns > 1 and not cfg.reward.fn:
+        raise UserError(f"config: rollout.max_turns={r.max_turns} needs reward.fn, which decides "
+                        "after each turn whether the policy gets another try")
     _choice("algorithm.kl_ctrl.type", alg.kl_ctrl.type, ("fixed", "adaptive"))
     _choice("actor.kl_loss_type", a.kl_loss_type, KL_ESTIMATORS)
     _choice("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)

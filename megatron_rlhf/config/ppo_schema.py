@@ -142,6 +142,11 @@ class RolloutConfig:
     """Extra stop strings (each must be one token); EOS always stops."""
     seed: int = 0
     """Sampling seed, combined with the step and the generator rank."""
+    max_turns: int = 1
+    """> 1: multi-turn rollouts. After a turn that ``reward.fn`` scores below 1 (and that ended
+    with a stop token), the environment answers ``retry_feedback`` as a user turn and the policy
+    tries again, up to this many turns; each turn's reward lands on its last token."""
+    retry_feedback: str = "That is not right. Try again."
     bucket_size_mb: float = 512.0
     """Weight-sync bucket: at most this many MiB of weights in flight per rank."""
     val_temperature: float = 0.0

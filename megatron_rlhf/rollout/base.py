@@ -39,6 +39,13 @@ class Generation:
     """``log p(token)`` under the generator's logits at temperature 1 (before top-p/top-k)."""
     finished: bool
     """True if a stop token ended it, False if it hit ``max_tokens``."""
+    mask: list[int] | None = None
+    """Multi-turn samples: 1 on the policy's tokens, 0 on the environment's between turns
+    (``None``: every token is the policy's)."""
+    turn_ends: list[int] | None = None
+    """Multi-turn samples: index in ``tokens`` of each turn's last policy token."""
+    turn_scores: list[float] | None = None
+    """Multi-turn samples: the rule-based reward of each turn."""
 
 
 class Generator(Protocol):

@@ -26,7 +26,7 @@ def fit(run: PPORun) -> dict[str, float]:
     while run.step < run.total_steps:
         timer, prompts = Timer(), run.step_prompts(run.step)
         with timer("gen"):
-            gens = run.generate(prompts, run.sampling(run.step))
+            gens = run.generate(prompts, run.sampling(run.step), cfg.rollout.max_turns)
         batch = build_batch([p.ids for p in prompts], gens, run.pad_id)
         with timer("reward_values"):
             scored = run.scores(prompts, gens, batch)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rlhf.algorithms.advantages import turn_rewards
 from megatron_rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController, explained_variance
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
 from megatron_rlhf.config.ppo_schema import PPOConfig
@@ -97,21 +98,38 @@ class PPORun:
                               top_k=0 if validation else r.top_k, n=1 if validation else r.n,
                               stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step)
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[Prompt], params: SamplingParams, turns: int = 1) -> list[Generation]:
+        """``params.n`` samples per prompt; with ``turns > 1`` multi-turn ones (see
+        :mod:`megatron_rlhf.rollout.multi_turn`). The engines release their memory after."""
         ids = [list(p.ids) for p in prompts]
+        if turns > 1:
+            from megatron_rlhf.rollout.multi_turn import feedback_tokens, run_turns
+
+            feedback = feedback_tokens(self.tokenizer, self.cfg.rollout.retry_feedback,
+                                       self.tokenizer.eos_token_id)
+            check = lambda i, tokens: self.reward_fn(  # noqa: E731
+                self.tokenizer.decode(tokens, skip_special_tokens=True), prompts[i].ground_truth)
+            out = run_turns(self._generate_ids, ids, params, check, turns, feedback)
+        else:
+            out = self._generate_ids(ids, params)
+        self.actor.call("release_rollout")
+        return out
+
+    def _generate_ids(self, ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         per_replica = self.actor.call("generate", ids, params)
         out, offset = [], 0
         for part in stitch(per_replica):
             for g in part:
                 out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
             offset += len({g.prompt_index for g in part})
-        self.actor.call("release_rollout")
         return out
 
     # ------------------------------------------------------------------ scoring and experience
     def scores(self, prompts: list[Prompt], gens: list[Generation], batch: dict) -> dict:
         """Sequence scores [N] (the training signal) and the oracle's, when one exists."""
-        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
+        # Multi-turn samples are judged by their last turn (the oracle) and trained on every
+        # turn's reward; single-turn ones by the whole response.
+        texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
         truths = [prompts[g.prompt_index].ground_truth for g in gens]
         values, rm = (cat_rows(parts) for parts in zip(*stitch(self.critic.call("compute_values", batch))))
         batch["values"] = values
@@ -119,7 +137,13 @@ class PPORun:
         score = torch.zeros(len(gens))
         if rm is not None:
             score += r.rm_weight * rm
-        if self.reward_fn is not None:
+        if self.reward_fn is not None and gens[0].turn_scores is not None:
+            score += r.fn_weight * torch.tensor([sum(g.turn_scores) for g in gens])
+            batch["turn_rewards"] = r.fn_weight * turn_rewards(
+                [g.turn_scores for g in gens],
+                [[int(batch["loss_mask"][row].nonzero()[0]) + end for end in g.turn_ends]
+                 for row, g in enumerate(gens)], batch["loss_mask"].shape[1])
+        elif self.reward_fn is not None:
             score += r.fn_weight * torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, truths)])
         out = {"score": score, "rm": rm}
         if self.oracle_fn is not None:
@@ -249,6 +273,13 @@ class PPORun:
             handle.write(json.dumps(metrics) + "\n")
 
 
+def _last_turn(g: Generation) -> list[int]:
+    if g.mask is None:
+        return g.tokens
+    start = max((i + 1 for i, m in enumerate(g.mask) if m == 0), default=0)
+    return g.tokens[start:]
+
+
 def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: dict) -> dict:
     mask = batch["loss_mask"]
     lengths = mask.sum(dim=1)
@@ -265,4 +296,6 @@ def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: di
         out["reward/oracle_mean"] = float(scored["oracle"].mean())
     if scored["rm"] is not None:
         out["reward/rm_mean"] = float(scored["rm"].mean())
+    if gens[0].turn_ends is not None:
+        out["response/turns_mean"] = sum(len(g.turn_ends) for g in gens) / len(gens)
     return out

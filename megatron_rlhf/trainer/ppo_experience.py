@@ -18,7 +18,8 @@ from megatron_rlhf.rollout.base import Generation
 
 
 def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], pad_id: int) -> dict:
-    """``input_ids``, ``targets``, ``loss_mask`` ``[N, T]``; ``lengths [N, 1]``; ``group [N]``."""
+    """``input_ids``, ``targets``, ``loss_mask`` ``[N, T]``; ``lengths [N, 1]``; ``group [N]``.
+    ``loss_mask`` is 0 on the environment's tokens of multi-turn samples."""
     sequences = [list(prompts[g.prompt_index]) + list(g.tokens) for g in generations]
     count, width = len(sequences), max(len(s) for s in sequences)
     input_ids = torch.full((count, width), pad_id, dtype=torch.long)
@@ -26,7 +27,8 @@ def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], p
     for row, (seq, gen) in enumerate(zip(sequences, generations)):
         input_ids[row, :len(seq)] = torch.tensor(seq)
         start = len(prompts[gen.prompt_index]) - 1
-        loss_mask[row, start:start + len(gen.tokens)] = 1.0
+        loss_mask[row, start:start + len(gen.tokens)] = (1.0 if gen.mask is None else
+                                                         torch.tensor(gen.mask, dtype=torch.float))
     targets = torch.full_like(input_ids, pad_id)
     targets[:, :-1] = input_ids[:, 1:]
     return {"input_ids": input_ids, "targets": targets, "loss_mask": loss_mask,
@@ -42,8 +44,12 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig,
     kl = torch.zeros_like(mask)
     if batch.get("old_logprobs") is not None and batch.get("ref_logprobs") is not None:
         kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
+    turns = batch.get("turn_rewards")  # multi-turn: each turn's reward on its last token
     if cfg.adv_estimator == "gae":
-        rewards = token_level_rewards(scores, mask, kl if cfg.use_kl_in_reward else None, kl_coef)
+        rest = scores if turns is None else scores - turns.sum(dim=1)
+        rewards = token_level_rewards(rest, mask, kl if cfg.use_kl_in_reward else None, kl_coef)
+        if turns is not None:
+            rewards = rewards + turns
         advantages, returns = compute_gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, mask)

@@ -82,7 +82,8 @@ def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = 
         length = int(batch["lengths"][index].max())
         micro = {k: v[index, :length] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
         micro |= extra or {}
-        out.append(pack_token_grid(micro, pack_capacity) if pack_capacity else micro)
+        # A multi-turn sample may outgrow one prompt + one response: it then gets a row alone.
+        out.append(pack_token_grid(micro, max(pack_capacity, length)) if pack_capacity else micro)
     return out
 
 
