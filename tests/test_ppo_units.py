@@ -97,6 +97,8 @@ def _config(*overrides):
     (["actor.clip_ratio_c=0.5"], "must exceed 1"),
     (["rollout.backend=vllm"], "rollout.backend='vllm'"),
     (["trainer.rollback.lr_factor=2"], "trainer.rollback needs"),
+    (["rollout.max_turns=2", "reward.fn=null", "reward.model_path=/rm"], "rollout.max_turns=2 needs reward.fn"),
+    (["algorithm.ref_log_prob=never"], "algorithm.ref_log_prob='never' must be one of"),
 ])
 def test_bad_ppo_configs_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -153,3 +155,18 @@ def test_multi_turn_gae_puts_each_turn_reward_on_its_last_token():
     assert out["rewards"].tolist() == [[0, 0, -0.5, 0, 0, 0, 1.0, 0]]
     # Reward-to-go over the policy's tokens; environment tokens get nothing.
     assert out["advantages"].tolist() == [[0, 0.5, 0.5, 0, 0, 1.0, 1.0, 0]]
+
+
+def test_passes_are_skipped_only_when_nothing_needs_them():
+    from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_reference
+
+    assert not uses_reference(_config())  # no KL term, no KL guard
+    for extra in (["algorithm.use_kl_in_reward=true"], ["actor.use_kl_loss=true"],
+                  ["trainer.rollback.kl_threshold=0.5"], ["algorithm.ref_log_prob=always"]):
+        assert uses_reference(_config(*extra)), extra
+    on_policy = ["actor.ppo_epochs=1", "data.train_batch_size=8", "rollout.n=2",
+                 "actor.ppo_mini_batch_size=16"]
+    assert reuses_update_log_probs(_config(*on_policy))
+    for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=8"],
+                  ["algorithm.use_kl_in_reward=true"]):
+        assert not reuses_update_log_probs(_config(*on_policy, *extra)), extra
