@@ -1,11 +1,10 @@
 """Megatron vs transformers parity at TP=1, TP=2, PP=2, TP=2xPP=2, TP=4 (4 gloo ranks, one launch)."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun import torchrun_results
 
 SCRIPT = Path(__file__).with_name("dist_parity.py")
 TOLERANCE = 1e-4  # fp32; observed values are ~1e-7 (logits) and ~1e-6 (rewards)
@@ -14,16 +13,8 @@ TOLERANCE = 1e-4  # fp32; observed values are ~1e-7 (logits) and ~1e-6 (rewards)
 @pytest.fixture(scope="module")
 def parity(tiny_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("parity")
-    out = work / "results.json"
     root = next(iter(tiny_models.values())).parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "4", str(SCRIPT), str(root), str(work), str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
-    print(json.dumps(results, indent=2))
-    return results
+    return torchrun_results(SCRIPT, 4, root, work, out=work / "results.json")
 
 
 @pytest.mark.parametrize("model", ["qwen2_policy", "llama_policy"])

@@ -1,9 +1,5 @@
 """PPO with ``data.use_remove_padding``: packed micro-batches give the padded ones' numbers."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +8,8 @@ import torch
 from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
 from megatron_rlhf.rollout.base import Generation
 from megatron_rlhf.trainer.ppo_experience import build_batch
+
+from tests.torchrun import torchrun_results
 
 SCRIPT = Path(__file__).with_name("dist_ppo_packing.py")
 
@@ -35,16 +33,8 @@ def test_packed_grid_round_trips_every_token():
 
 @pytest.fixture(scope="module")
 def packing_results(tiny_models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo_packing") / "results.json"
     root = next(iter(tiny_models.values())).parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", str(SCRIPT), str(root), str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
-    print(json.dumps(results, indent=2))
-    return results
+    return torchrun_results(SCRIPT, 2, root, out=tmp_path_factory.mktemp("ppo_packing") / "results.json")
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])

@@ -4,30 +4,20 @@ The engine's log-probs of its own greedy tokens must equal the trainer's (fp32, 
 sync, and be far from them before it (the engine starts with random weights).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.torchrun import torchrun_results
 
 SCRIPT = Path(__file__).with_name("dist_weight_sync.py")
 
 
 @pytest.fixture(scope="module")
 def sync_results(tiny_models, tmp_path_factory):
-    out = tmp_path_factory.mktemp("weight_sync") / "results.json"
     root = next(iter(tiny_models.values())).parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               "2", str(SCRIPT), str(root), str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
-    print(json.dumps(results, indent=2))
-    return results
+    return torchrun_results(SCRIPT, 2, root, out=tmp_path_factory.mktemp("weight_sync") / "results.json")
 
 
 @pytest.mark.parametrize("scenario", ["tp2_to_gen_tp1", "tp2_to_gen_tp2", "pp2_to_gen_tp1",
