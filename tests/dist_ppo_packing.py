@@ -22,9 +22,9 @@ from megatron_rlhf.models.forward import pipeline_forward  # noqa: E402
 from megatron_rlhf.rollout.base import Generation  # noqa: E402
 from megatron_rlhf.trainer.engine import make_trainable, reduce_metrics, train_step  # noqa: E402
 from megatron_rlhf.trainer.ppo_experience import build_batch  # noqa: E402
-from megatron_rlhf.trainer.ppo_losses import actor_loss, token_logprobs  # noqa: E402
+from megatron_rlhf.trainer.ppo_losses import actor_loss, grid_logprobs  # noqa: E402
 from megatron_rlhf.trainer.ppo_worker import ACTOR_KEYS, micro_batches  # noqa: E402
-from megatron_rlhf.data.packing import grid_tensor, to_grid  # noqa: E402
+from megatron_rlhf.data.packing import grid_tensor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_parity import from_hf, max_over_world  # noqa: E402
@@ -48,8 +48,7 @@ def make_batch() -> dict:
 
 
 def head(groups, vocab):
-    return lambda out, b: (to_grid(token_logprobs(out, b["targets"][:out.shape[0], :out.shape[1]],
-                                                  vocab, groups), b) * grid_tensor(b, "loss_mask"))
+    return lambda out, b: grid_logprobs(out, b, vocab, groups) * grid_tensor(b, "loss_mask")
 
 
 def run(root: Path, layout, pack: int, agg: str) -> tuple:

@@ -147,11 +147,11 @@ def test_multi_turn_gae_puts_each_turn_reward_on_its_last_token():
                        turn_ends=[1, 5], turn_scores=[0.0, 1.0])]
     batch = build_batch([(10, 11)], gens, pad_id=0)
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 0, 1, 1, 0]]
-    batch["turn_rewards"] = turn_rewards([[-0.5, 1.0]], [[1 + 1, 1 + 5]], 8)
+    turns = turn_rewards([[-0.5, 1.0]], [[1 + 1, 1 + 5]], 8)
     batch["values"] = torch.zeros(1, 8)
     batch["old_logprobs"] = batch["ref_logprobs"] = torch.zeros(1, 8)
     cfg = AlgorithmConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
-    out = compute_advantages(batch, torch.tensor([0.5]), cfg, kl_coef=0.0)
+    out = compute_advantages(batch, torch.tensor([0.5]), cfg, kl_coef=0.0, turns=turns)
     assert out["rewards"].tolist() == [[0, 0, -0.5, 0, 0, 0, 1.0, 0]]
     # Reward-to-go over the policy's tokens; environment tokens get nothing.
     assert out["advantages"].tolist() == [[0, 0.5, 0.5, 0, 0, 1.0, 1.0, 0]]

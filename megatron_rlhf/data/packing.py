@@ -140,7 +140,7 @@ def to_grid(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
     batches are unpacked; padded ones are cut to their own rows and width."""
     grid = batch.get("grid")
     if grid is None:
-        rows, width = batch["input_ids"].shape if "real_shape" not in batch else batch["real_shape"]
+        rows, width = batch.get("real_shape", batch["input_ids"].shape)
         return per_token[:rows, :width]
     return per_token[grid["unpack_row"], grid["unpack_col"]]
 
@@ -148,7 +148,4 @@ def to_grid(per_token: torch.Tensor, batch: dict) -> torch.Tensor:
 def grid_tensor(batch: dict, key: str) -> torch.Tensor:
     """Per-token input ``key`` on the sample grid (see :func:`to_grid`)."""
     grid = batch.get("grid")
-    if grid is None:
-        rows, width = batch["input_ids"].shape if "real_shape" not in batch else batch["real_shape"]
-        return batch[key][:rows, :width]
-    return grid[key]
+    return to_grid(batch[key], batch) if grid is None else grid[key]

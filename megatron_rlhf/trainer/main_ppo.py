@@ -33,7 +33,7 @@ def fit(run: PPORun) -> dict[str, float]:
         with timer("old_ref_log_prob"):
             sync_check = run.log_probs(batch, gens)
         with timer("adv"):
-            adv = compute_advantages(batch, scored["score"], alg, run.kl_ctrl.value)
+            adv = compute_advantages(batch, scored["score"], alg, run.kl_ctrl.value, scored["turns"])
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
         with timer("update_critic"):
             metrics = run.critic.call("update_critic", batch, run.step)[0] if alg.adv_estimator == "gae" else {}

@@ -13,6 +13,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from megatron_rlhf.algorithms.advantages import turn_rewards
 from megatron_rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController, explained_variance
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
+from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
@@ -103,17 +105,23 @@ class PPORun:
         :mod:`megatron_rlhf.rollout.multi_turn`). The engines release their memory after."""
         ids = [list(p.ids) for p in prompts]
         if turns > 1:
-            from megatron_rlhf.rollout.multi_turn import feedback_tokens, run_turns
+            from megatron_rlhf.rollout.multi_turn import run_turns
 
-            feedback = feedback_tokens(self.tokenizer, self.cfg.rollout.retry_feedback,
-                                       self.tokenizer.eos_token_id)
             check = lambda i, tokens: self.reward_fn(  # noqa: E731
                 self.tokenizer.decode(tokens, skip_special_tokens=True), prompts[i].ground_truth)
-            out = run_turns(self._generate_ids, ids, params, check, turns, feedback)
+            out = run_turns(self._generate_ids, ids, params, check, turns, self.feedback_ids)
         else:
             out = self._generate_ids(ids, params)
         self.actor.call("release_rollout")
         return out
+
+    @cached_property
+    def feedback_ids(self) -> list[int]:
+        """The environment's retry turn in tokens (the same for every multi-turn sample)."""
+        from megatron_rlhf.rollout.multi_turn import feedback_tokens
+
+        return feedback_tokens(self.tokenizer, self.cfg.rollout.retry_feedback,
+                               self.tokenizer.eos_token_id)
 
     def _generate_ids(self, ids: list[list[int]], params: SamplingParams) -> list[Generation]:
         per_replica = self.actor.call("generate", ids, params)
@@ -134,18 +142,18 @@ class PPORun:
         values, rm = (cat_rows(parts) for parts in zip(*stitch(self.critic.call("compute_values", batch))))
         batch["values"] = values
         r = self.cfg.reward
-        score = torch.zeros(len(gens))
+        score, turns = torch.zeros(len(gens)), None
         if rm is not None:
             score += r.rm_weight * rm
         if self.reward_fn is not None and gens[0].turn_scores is not None:
             score += r.fn_weight * torch.tensor([sum(g.turn_scores) for g in gens])
-            batch["turn_rewards"] = r.fn_weight * turn_rewards(
+            turns = r.fn_weight * turn_rewards(
                 [g.turn_scores for g in gens],
                 [[int(batch["loss_mask"][row].nonzero()[0]) + end for end in g.turn_ends]
                  for row, g in enumerate(gens)], batch["loss_mask"].shape[1])
         elif self.reward_fn is not None:
             score += r.fn_weight * torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, truths)])
-        out = {"score": score, "rm": rm}
+        out = {"score": score, "rm": rm, "turns": turns}
         if self.oracle_fn is not None:
             out["oracle"] = torch.tensor([self.oracle_fn(t, g) for t, g in zip(texts, truths)])
         return out
@@ -154,8 +162,6 @@ class PPORun:
         """Old (actor) and reference log-probs into ``batch``; returns how far the engine's own
         log-probs are from the actor's (a wrong weight sync shows up here first). Passes nothing
         uses are skipped: see :func:`uses_reference` and :func:`reuses_update_log_probs`."""
-        from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_reference
-
         need_old, need_ref = not reuses_update_log_probs(self.cfg), uses_reference(self.cfg)
         if not (need_old or need_ref):
             return {}

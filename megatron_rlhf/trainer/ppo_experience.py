@@ -36,15 +36,16 @@ def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], p
             "group": torch.tensor([g.prompt_index for g in generations])}
 
 
-def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig,
-                       kl_coef: float) -> dict[str, torch.Tensor]:
+def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, kl_coef: float,
+                       turns: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rewards, advantages and returns ``[N, T]`` from sequence ``scores [N]`` and the batch's
-    ``old_logprobs``, ``ref_logprobs`` (and ``values`` for GAE); the KL is 0 without both."""
+    ``old_logprobs``, ``ref_logprobs`` (and ``values`` for GAE); the KL is 0 without both.
+    ``turns [N, T]``: multi-turn samples' per-turn rewards on each turn's last token (their sum
+    is part of ``scores``)."""
     mask = batch["loss_mask"]
     kl = torch.zeros_like(mask)
     if batch.get("old_logprobs") is not None and batch.get("ref_logprobs") is not None:
         kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
-    turns = batch.get("turn_rewards")  # multi-turn: each turn's reward on its last token
     if cfg.adv_estimator == "gae":
         rest = scores if turns is None else scores - turns.sum(dim=1)
         rewards = token_level_rewards(rest, mask, kl if cfg.use_kl_in_reward else None, kl_coef)

@@ -32,6 +32,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
     return -token_cross_entropy(logits, targets, vocab_size, groups)
 
 
+def grid_logprobs(logits: torch.Tensor, batch: dict, vocab_size: int, groups: ParallelGroups,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """``log p(target)`` of a micro-batch's (possibly packed, pipeline-padded) ``logits`` on its
+    sample grid ``[n, T]`` (see :func:`megatron_rlhf.data.packing.to_grid`)."""
+    targets = batch["targets"][:logits.shape[0], :logits.shape[1]]
+    return to_grid(token_logprobs(logits, targets, vocab_size, groups, temperature), batch)
+
+
 def token_entropy(logits: torch.Tensor, vocab_size: int, groups: ParallelGroups,
                   temperature: float = 1.0) -> torch.Tensor:
     """Entropy of the (unpadded) vocabulary distribution per position -> ``[b, t]``."""
@@ -46,8 +54,7 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
     on the model's (possibly packed) rows, then moved to the sample grid for the loss math."""
     take = lambda key: grid_tensor(batch, key).to(logits.device)  # noqa: E731
     mask = take("loss_mask")
-    targets = batch["targets"][:logits.shape[0], :logits.shape[1]]
-    logprob = to_grid(token_logprobs(logits, targets, vocab_size, groups, temperature), batch)
+    logprob = grid_logprobs(logits, batch, vocab_size, groups, temperature)
     clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
     clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
     # Without stored old log-probs the update is on-policy (see reuses_update_log_probs).

@@ -29,7 +29,7 @@ from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics, train_step,
                                           training_dtype)
-from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, token_logprobs
+from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, grid_logprobs
 from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
 
 ACTOR_KEYS = ["pg_loss", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
@@ -208,9 +208,8 @@ class PPOWorker:
         """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
         for the ones not asked for)."""
         temperature = self.config.rollout.temperature or 1.0
-        head = lambda out, b: to_grid(token_logprobs(  # noqa: E731
-            out, b["targets"][:out.shape[0], :out.shape[1]], self.arch.vocab_size, self.groups,
-            temperature), b) * grid_tensor(b, "loss_mask")
+        head = lambda out, b: (grid_logprobs(out, b, self.arch.vocab_size, self.groups,  # noqa: E731
+                                             temperature) * grid_tensor(b, "loss_mask"))
         old = self._forward(self.actor.module, batch, head) if old else None
         ref = self._forward(self.ref, batch, head) if ref else None
         return self._output((old, ref))
