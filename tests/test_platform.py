@@ -70,3 +70,21 @@ def test_remove_restores_everything(fresh_platform):
         assert torch.cuda.current_device is not original
     platform.remove_platform()
     assert torch.cuda.current_device is original
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_bridge_suspended_runs_plain_torch_and_restores_the_bridge(fresh_platform):
+    with platform.bridge_suspended():  # nothing installed: a no-op
+        assert torch.ones(1).type() == "torch.FloatTensor"
+    platform.apply_platform()
+    with pytest.raises(RuntimeError):
+        with platform.bridge_suspended():
+            assert not isinstance(torch.overrides._get_current_function_mode(), platform.CudaToCpuMode)
+            assert torch.ones(1).type() == "torch.FloatTensor"
+            raise RuntimeError("the bridge must come back after an error too")
+    assert isinstance(torch.overrides._get_current_function_mode(), platform.CudaToCpuMode)
+    assert torch.empty(1, device="cuda").device.type == "cpu"
+    with torch.device("cpu"):  # a mode entered after the bridge: the bridge is not set aside
+        with platform.bridge_suspended():
+            assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert isinstance(torch.overrides._get_current_function_mode(), platform.CudaToCpuMode)

@@ -14,11 +14,16 @@ On CPU the "device" is the CPU: the device RNG is the CPU default generator, eve
 request becomes a CPU one, synchronisation is a no-op. :func:`apply_platform` installs all of it
 once, and only when CUDA is absent; on a GPU machine it returns without touching anything, so the
 production path runs megatron-core unmodified.
+
+The device mapping is a ``TorchFunctionMode``: every torch call of the process pays a Python
+round trip for it. Code that runs no megatron-core (the rollout engine's transformers decode loop,
+thousands of tiny ops per batch) opts out with :func:`bridge_suspended`.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,6 +84,26 @@ def device() -> torch.device:
     if platform_is_cpu():
         return _CPU
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@contextmanager
+def bridge_suspended():
+    """Run plain-torch code without the device-mapping mode (a no-op where none is installed).
+
+    Only for code that makes no CUDA request: inside, ``device="cuda"`` means CUDA again. The
+    mode is set aside only when it is the innermost one, so any mode entered after it stays.
+    """
+    from torch.overrides import _get_current_function_mode
+
+    mode = _STATE.mode
+    if mode is None or _get_current_function_mode() is not mode:
+        yield
+        return
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
 
 
 def _patch(owner: Any, name: str, value: Callable) -> None:
