@@ -18,7 +18,8 @@ prompt + response tokens of the step's samples.
 Ours: wall time of a step is the sum of its ``timing/*`` phases (gen, reward_values,
 old_ref_log_prob, adv, update_critic, update_actor, sync) from ``metrics.jsonl``; the driver's
 bookkeeping between phases is not timed. TRL: wall time between ``on_step_begin`` and
-``on_step_end`` of a TrainerCallback (generation, reward, loss, backward and optimizer step).
+``on_step_end`` of a TrainerCallback (generation, reward, loss, backward and optimizer step), of
+which ``gen`` is the time inside the policy's ``generate`` calls and ``rest`` everything else.
 
 TRL is a benchmark-only dependency: `pip install -c constraints-cpu.txt trl==1.16.0`.
 """
@@ -71,14 +72,27 @@ args = GRPOConfig(
     logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     include_num_input_tokens_seen="no", seed=1)
 
+# TRL generates with this same model object (no DeepSpeed/FSDP wrapper on CPU): time its calls.
+generating = [0.0]
+plain_generate = model.generate
+def timed_generate(*a, **kw):
+    start = time.perf_counter()
+    try:
+        return plain_generate(*a, **kw)
+    finally:
+        generating[0] += time.perf_counter() - start
+model.generate = timed_generate
+
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.steps, self.logs = [], []
     def on_step_begin(self, args, state, control, **kwargs):
         self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+        self.generating = generating[0]
     def on_step_end(self, args, state, control, **kwargs):
-        self.steps.append({"seconds": time.perf_counter() - self.start,
-                           "tokens": state.num_input_tokens_seen - self.tokens})
+        seconds, gen = time.perf_counter() - self.start, generating[0] - self.generating
+        self.steps.append({"seconds": seconds, "tokens": state.num_input_tokens_seen - self.tokens,
+                           "phases": {"gen": gen, "rest": seconds - gen}})
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "completions/mean_length" in logs:
             self.logs.append(dict(logs))
@@ -278,9 +292,10 @@ def main() -> None:
         print(f"P={args.prompts} prompts x G={args.n} samples, R={args.response_length} tokens, "
               f"{args.threads} threads, {args.steps} steps ({args.warmup} warm-up)\n")
         print(table(summary["ours"], summary["trl"]))
-        if "phases_s_per_step" in summary["ours"]:
-            print("\nours, s/step by phase: " + ", ".join(
-                f"{k} {v:.3f}" for k, v in summary["ours"]["phases_s_per_step"].items()))
+        for name in ("ours", "trl"):
+            if "phases_s_per_step" in summary[name]:
+                print(f"\n{name}, s/step by phase: " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in summary[name]["phases_s_per_step"].items()))
         print(f"TRL generation used the KV cache: {results['trl'].get('generation_kv_cache')}")
     else:
         print(json.dumps(summary, indent=1))

@@ -110,10 +110,9 @@ class PPORun:
             check = lambda i, tokens: self.reward_fn(  # noqa: E731
                 self.tokenizer.decode(tokens, skip_special_tokens=True), prompts[i].ground_truth)
             out = run_turns(self._generate_ids, ids, params, check, turns, self.feedback_ids)
-        else:
-            out = self._generate_ids(ids, params)
-        self.actor.call("release_rollout")
-        return out
+            self.actor.call("release_rollout")
+            return out
+        return self._generate_ids(ids, params, release=True)  # one round trip, not two
 
     @cached_property
     def feedback_ids(self) -> list[int]:
@@ -123,8 +122,9 @@ class PPORun:
         return feedback_tokens(self.tokenizer, self.cfg.rollout.retry_feedback,
                                self.tokenizer.eos_token_id)
 
-    def _generate_ids(self, ids: list[list[int]], params: SamplingParams) -> list[Generation]:
-        per_replica = self.actor.call("generate", ids, params)
+    def _generate_ids(self, ids: list[list[int]], params: SamplingParams,
+                      release: bool = False) -> list[Generation]:
+        per_replica = self.actor.call("generate", ids, params, release)
         out, offset = [], 0
         for part in stitch(per_replica):
             for g in part:

@@ -160,7 +160,9 @@ class PPOWorker:
         return (g.dp_rank, value) if g.tp_rank == 0 and g.is_last_stage else None
 
     # ----------------------------------------------------------------------------- rollout
-    def generate(self, prompts: list[list[int]], params) -> tuple | None:
+    def generate(self, prompts: list[list[int]], params, release: bool = False) -> tuple | None:
+        """This rank's generator replica's share of ``prompts``; ``release`` frees the engine's
+        memory afterwards (what :meth:`release_rollout` does, without a second call)."""
         from megatron_rlhf.rollout.engines import generator_rank
 
         import torch.distributed as dist
@@ -172,6 +174,8 @@ class PPOWorker:
         mine = prompts[dp_slice(len(prompts), gen_dp, gen_dp_rank)]
         params.seed = params.seed * 1000 + gen_dp_rank
         result = self.generator.generate(mine, params)
+        if release:
+            self.release_rollout()
         return (gen_dp_rank, result) if is_output else None
 
     @property
