@@ -52,11 +52,15 @@ def metrics(out: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith(VOLATILE)} for row in rows]
 
 
+# Sampling at a temperature other than 1 checks that engine and actor score the same (tempered)
+# distribution.
+FULL_RUN = ("trainer.max_steps=6", "trainer.save_every_steps=2", "rollout.temperature=0.7")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(workspace, tmp_path_factory):
     out = tmp_path_factory.mktemp("ppo_full")
-    code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=6",
-                                                "trainer.save_every_steps=2")))
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, *FULL_RUN)))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     return out, stdout
 
@@ -82,7 +86,7 @@ def test_ppo_runs_and_logs_the_named_metrics(uninterrupted):
 def test_resume_after_kill_reproduces_the_run_exactly(workspace, uninterrupted, tmp_path):
     reference = metrics(uninterrupted[0])
     out = tmp_path / "run"
-    args = overrides(workspace, out, "trainer.max_steps=6", "trainer.save_every_steps=2")
+    args = overrides(workspace, out, *FULL_RUN)
     proc = ppo(args)
     deadline = time.time() + 300
     while time.time() < deadline:  # kill -9 the whole job once step 3 is logged (after a save)

@@ -104,7 +104,9 @@ class HFGenerator:
         result = self.model.generate(input_ids=ids.to(self.device),
                                      attention_mask=mask.to(self.device), **kwargs)
         new = result.sequences[:, width:].cpu()
-        logits = torch.stack(result.logits, dim=1).float().cpu()  # [rows, new, V]
+        logits = torch.stack(result.logits, dim=1).float().cpu()  # [rows, new, V], untempered
+        if sample:  # the distribution sampled from, as the trainer scores it (top-k/p cut aside)
+            logits = logits / params.temperature
         chosen = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         out = []
         for r, i in enumerate(rows):
