@@ -54,7 +54,8 @@ def metrics(out: Path) -> list[dict]:
 
 # Sampling at a temperature other than 1 checks that engine and actor score the same (tempered)
 # distribution.
-FULL_RUN = ("trainer.max_steps=6", "trainer.save_every_steps=2", "rollout.temperature=0.7")
+FULL_RUN = ("trainer.max_steps=6", "trainer.save_every_steps=2", "rollout.temperature=0.7",
+            "actor.use_kl_loss=true", "actor.kl_loss_coef=0.02")
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,10 @@ def test_ppo_runs_and_logs_the_named_metrics(uninterrupted):
                 "critic/vf_explained_var", "response/length_mean", "timing/gen",
                 "timing/update_actor", "timing/sync", "throughput/tokens_per_s"):
         assert key in json.loads((out / "metrics.jsonl").read_text().splitlines()[-2]) or key in step, key
+    # The KL loss weighs by its own coefficient; the adaptive controller steers the in-reward one.
+    updates = [r for r in rows if "actor/pg_loss" in r]
+    assert all(r["actor/kl_loss_coef"] == 0.02 for r in updates)
+    assert updates[0]["actor/kl_coef"] == 0.05 and updates[-1]["actor/kl_coef"] < 0.05
     # The engine's own log-probs equal the actor's after every in-loop weight sync.
     assert max(r["rollout/logprob_diff_max"] for r in rows if "actor/pg_loss" in r) < 1e-4
     assert any("val/oracle_acc" in r for r in rows)
@@ -110,11 +115,13 @@ def test_rollback_on_kl_spike_restores_and_stops(workspace, tmp_path):
     # Any update now "spikes": the threshold is below every KL an update can produce.
     spiky = overrides(workspace, out, "trainer.max_steps=5", "trainer.save_every_steps=1",
                       "trainer.rollback.kl_threshold=1e-12", "trainer.rollback.max_rollbacks=2",
-                      "trainer.rollback.lr_factor=0.5", "trainer.rollback.kl_coef_factor=2.0")
+                      "trainer.rollback.lr_factor=0.5", "trainer.rollback.kl_coef_factor=2.0",
+                      "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01")
     code, stdout, stderr = finish(ppo(spiky))
     assert code == 2, stdout[-3000:] + stderr[-3000:]
     assert "rollback 1/2 at step 3" in stdout and "restored step 2, lr scale now 0.5" in stdout
     assert "rollback 2/2 at step 3" in stdout and "lr scale now 0.25" in stdout
+    assert "kl_loss_coef now 0.02" in stdout and "kl_loss_coef now 0.04" in stdout
     assert "already rolled back 2 times" in stderr
     # Nothing after the last good step was kept: checkpoints and logs end at step 2.
     assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir())[-1] == "step_00000002"

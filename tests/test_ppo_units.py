@@ -9,7 +9,7 @@ from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.rollout.base import Generation
-from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages
+from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages, sample_kl
 from megatron_rlhf.trainer.ppo_losses import micro_denominator
 from megatron_rlhf.trainer.ppo_worker import dp_slice
 
@@ -170,3 +170,11 @@ def test_passes_are_skipped_only_when_nothing_needs_them():
     for extra in (["actor.ppo_epochs=2"], ["actor.ppo_mini_batch_size=8"],
                   ["algorithm.use_kl_in_reward=true"]):
         assert not reuses_update_log_probs(_config(*on_policy, *extra)), extra
+
+
+def test_sample_kl_is_the_per_token_mean_per_response_averaged_like_verl():
+    kl = torch.tensor([[9.0, 0.2, 0.4, 0.0], [9.0, 9.0, 0.3, 9.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    # Response means 0.3 and 0.3, not the sums 0.6 and 0.3: the target is per token.
+    assert sample_kl(kl, mask) == pytest.approx(0.3)
+    assert sample_kl(kl, torch.zeros_like(mask)) == 0.0

@@ -44,7 +44,9 @@ class KLControlConfig:
     kl_coef: float = 0.001
     """Initial coefficient of the KL penalty in the reward."""
     target_kl: float = 0.1
-    """Adaptive only: the per-sample KL the controller aims for."""
+    """Adaptive only: the KL the controller aims for, per token (each response's mean, averaged
+    over responses, as verl). Only with ``use_kl_in_reward``; the KL loss has its own fixed
+    ``actor.kl_loss_coef``."""
     horizon: int = 10000
     """Adaptive only: samples over which the coefficient adapts."""
 

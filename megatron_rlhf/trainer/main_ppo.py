@@ -17,7 +17,7 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.distributed.layout import ParallelLayout
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, kl_controller, summarize_rollout
-from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages, sample_kl, token_kl
+from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages
 
 
 def fit(run: PPORun) -> dict[str, float]:
@@ -39,19 +39,16 @@ def fit(run: PPORun) -> dict[str, float]:
             metrics = run.critic.call("update_critic", batch, run.step)[0] if alg.adv_estimator == "gae" else {}
         if run.step >= cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                metrics |= run.actor.call("update_actor", batch, run.step, run.kl_ctrl.value)[0]
+                metrics |= run.actor.call("update_actor", batch, run.step, run.kl_loss_coef)[0]
         reason = run.guard_reason(metrics)
         if reason is not None:
             run.rollback(reason)
             continue
         with timer("sync"):
             run.actor.call("sync_weights")
-        run.kl_ctrl.update(sample_kl(adv["kl"], batch["loss_mask"]), len(gens))
+        metrics |= run.advance_kl(adv, batch)
         run.step += 1
-        metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | timer
-        metrics |= {"actor/kl_coef": run.kl_ctrl.value, "step": run.step}
-        if batch.get("ref_logprobs") is not None:
-            metrics["rollout/kl_ref"] = token_kl(adv["kl"], batch["loss_mask"])
+        metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | timer | {"step": run.step}
         run.logger.count(len(gens), float(batch["lengths"].sum()))
         if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
             shown = {k.split("/")[-1]: metrics[k] for k in ("reward/score_mean", "actor/kl") if k in metrics}

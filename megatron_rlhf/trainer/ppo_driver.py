@@ -28,7 +28,7 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import MetricsLogger
 from megatron_rlhf.rollout.base import Generation, SamplingParams
 from megatron_rlhf.trainer.loop import epoch_order
-from megatron_rlhf.trainer.ppo_experience import build_batch
+from megatron_rlhf.trainer.ppo_experience import build_batch, sample_kl, token_kl
 
 
 class Timer(dict):
@@ -73,10 +73,16 @@ class PPORun:
     kl_ctrl: object = None
     step: int = 0
     lr_scale: float = 1.0
+    kl_loss_scale: float = 1.0  # rollbacks raise the KL-loss weight as they raise kl_ctrl's
     rollbacks: int = 0
     logger: MetricsLogger | None = None
     history: list[dict] = field(default_factory=list)
     ray_started: bool = False
+
+    @property
+    def kl_loss_coef(self) -> float:
+        """Weight of the actor's KL loss: ``actor.kl_loss_coef``, raised by rollbacks."""
+        return self.cfg.actor.kl_loss_coef * self.kl_loss_scale
 
     @property
     def out(self) -> Path:
@@ -177,6 +183,20 @@ class PPORun:
         gap = (engine - old).abs() * batch["loss_mask"]
         return {"rollout/logprob_diff_max": float(gap.max())}
 
+    def advance_kl(self, adv: dict, batch: dict) -> dict[str, float]:
+        """After an accepted update: the KL coefficients the step used (the adaptive controller
+        then moves the in-reward one, as verl: it steers nothing else) and the rollout's KL to
+        the reference."""
+        mask, out = batch["loss_mask"], {}
+        if self.cfg.algorithm.use_kl_in_reward:
+            out["actor/kl_coef"] = self.kl_ctrl.value
+            self.kl_ctrl.update(sample_kl(adv["kl"], mask), mask.shape[0])
+        if self.cfg.actor.use_kl_loss:
+            out["actor/kl_loss_coef"] = self.kl_loss_coef
+        if batch.get("ref_logprobs") is not None and batch.get("old_logprobs") is not None:
+            out["rollout/kl_ref"] = token_kl(adv["kl"], mask)
+        return out
+
     # ------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
         if not self.val:
@@ -208,7 +228,7 @@ class PPORun:
 
     def state(self) -> dict:
         return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "lr_scale": self.lr_scale,
-                "rollbacks": self.rollbacks}
+                "kl_loss_scale": self.kl_loss_scale, "rollbacks": self.rollbacks}
 
     def save(self) -> None:
         for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
@@ -227,6 +247,7 @@ class PPORun:
         if not keep_scales:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
             self.lr_scale, self.rollbacks = state["lr_scale"], state["rollbacks"]
+            self.kl_loss_scale = state.get("kl_loss_scale", 1.0)  # absent before it existed
         for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
             group.call("set_lr_scale", self.lr_scale)
             group.call("load", str(self.ckpt_root), step)
@@ -266,10 +287,11 @@ class PPORun:
         self.rollbacks += 1
         self.lr_scale *= rb.lr_factor
         self.kl_ctrl.value *= rb.kl_coef_factor
+        self.kl_loss_scale *= rb.kl_coef_factor
         self.restore(saved[-1], keep_scales=True)
         self.log(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {self.step + 1}: {reason}; "
                  f"restored step {saved[-1]}, lr scale now {self.lr_scale:g}, "
-                 f"kl_coef now {self.kl_ctrl.value:g}")
+                 f"kl_coef now {self.kl_ctrl.value:g}, kl_loss_coef now {self.kl_loss_coef:g}")
 
     def record(self, metrics: dict[str, float]) -> None:
         self.history.append(metrics)

@@ -66,8 +66,10 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
 
 
 def sample_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean over samples of the summed per-token KL (what the adaptive controller tracks)."""
-    return float((kl * mask).sum(dim=1).mean())
+    """What the adaptive controller tracks, as verl: each response's mean per-token KL
+    ``[N, T] -> [N]``, averaged over the responses."""
+    per_sample = (kl * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    return float(per_sample.mean())
 
 
 def token_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
