@@ -105,8 +105,12 @@ class StepResult:
 
 
 def train_step(trainable: Trainable, micro_batches: list[dict],
-               loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]) -> StepResult:
+               loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]],
+               raise_on_nonfinite: bool = True) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the global batch).
+
+    Inf/NaN gradients raise :class:`UserError`, or with ``raise_on_nonfinite=False`` come back as
+    a NaN ``grad_norm`` for a caller that can undo the step (PPO's rollback guard).
 
     ``loss_fn(output, batch)`` gets the last stage's output (``[b, t, ...]``, padded rows included
     when PP > 1) and returns the micro-batch's mean loss and a dict of metric sums. Megatron averages the loss over micro-batches
@@ -127,11 +131,27 @@ def train_step(trainable: Trainable, micro_batches: list[dict],
     lr = trainable.optimizer.param_groups[0]["lr"]  # the rate this step applies
     success, grad_norm, _ = trainable.optimizer.step()
     if not success:
-        raise UserError("optimizer step skipped: gradients contain inf or NaN")
-    if grad_norm is not None and not math.isfinite(grad_norm):
+        if raise_on_nonfinite:
+            raise UserError("optimizer step skipped: gradients contain inf or NaN")
+        grad_norm = math.nan
+    if raise_on_nonfinite and grad_norm is not None and not math.isfinite(grad_norm):
         raise UserError(f"gradient norm is {grad_norm}")
     trainable.scheduler.step(increment=1)
-    return StepResult(list(metrics) if groups.is_last_stage else [], float(grad_norm or 0.0), lr)
+    grad_norm = 0.0 if grad_norm is None else float(grad_norm)
+    return StepResult(list(metrics) if groups.is_last_stage else [], grad_norm, lr)
+
+
+def set_lr_scale(trainable: Trainable, optim: OptimConfig, scale: float) -> None:
+    """Run ``trainable``'s schedule between ``scale`` x the configured rates from now on.
+
+    megatron-core keeps ``max_lr``/``min_lr`` in every optimizer param group and reads those
+    before the scheduler's own, so both are set.
+    """
+    scheduler = trainable.scheduler
+    scheduler.max_lr, scheduler.min_lr = optim.lr * scale, optim.min_lr * scale
+    for group in trainable.optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+    scheduler.step(increment=0)
 
 
 def reduce_metrics(metrics: list[dict], groups: ParallelGroups, keys: list[str]) -> dict[str, float]:

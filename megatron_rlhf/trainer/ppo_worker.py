@@ -27,8 +27,8 @@ from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
-from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics, train_step,
-                                          training_dtype)
+from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics, set_lr_scale,
+                                          train_step, training_dtype)
 from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, grid_logprobs
 from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
 
@@ -247,7 +247,8 @@ class PPOWorker:
                 mine = rows[dp_slice(len(rows), g.layout.dp, g.dp_rank)]
                 micro = micro_batches(batch, mine, plan.per_micro_batch, {"loss_weight": weight},
                                       self.pack_capacity)
-                result = train_step(trainable, micro, loss)
+                # Inf/NaN comes back as metrics: the driver's guard rolls the step back.
+                result = train_step(trainable, micro, loss, raise_on_nonfinite=False)
                 sums.append(reduce_metrics(result.metrics, g, keys) | {"grad_norm": result.grad_norm,
                                                                         "lr": result.lr})
         return sums
@@ -282,9 +283,7 @@ class PPOWorker:
         if "critic" in self.roles and self.critic is not None:
             pairs.append((self.critic, self.config.critic.optim))
         for trainable, optim in pairs:
-            trainable.scheduler.max_lr = optim.lr * scale
-            trainable.scheduler.min_lr = optim.min_lr * scale
-            trainable.scheduler.step(increment=0)
+            set_lr_scale(trainable, optim, scale)
 
     # ----------------------------------------------------------------------------- checkpoints
     def save(self, root: str, step: int, state: dict, keep_last_n: int) -> str:
