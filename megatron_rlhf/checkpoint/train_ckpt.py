@@ -57,8 +57,9 @@ def _sharded_state(trainable: Trainable, loading: bool) -> dict:
 
 
 def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainable, meta: dict,
-                          hf_config, tokenizer, trainer_state: dict, keep_last_n: int) -> Path:
-    """Collective save of everything needed to resume at ``step``; prunes to ``keep_last_n``."""
+                          hf_config, tokenizer, trainer_state: dict, keep_last_n: int | None) -> Path:
+    """Collective save of everything needed to resume at ``step``; prunes to ``keep_last_n``
+    (``None``: the caller prunes, e.g. once every model of a multi-model run has saved)."""
     from megatron.core import dist_checkpointing
 
     out = Path(root) / f"{PREFIX}{step:08d}"
@@ -83,7 +84,7 @@ def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainab
         (partial / META_FILE).write_text(json.dumps(full_meta, indent=2))
         shutil.rmtree(out, ignore_errors=True)
         os.replace(partial, out)
-        for old in complete_checkpoints(root)[:-keep_last_n]:
+        for old in complete_checkpoints(root)[:-keep_last_n] if keep_last_n else []:
             shutil.rmtree(old)
     dist.barrier()
     return out

@@ -68,7 +68,7 @@ def _previous_run(run: Run, metrics_file: Path) -> Path | None:
     return found[-1] if found and run.trainer.resume == "auto" else None
 
 
-def _trim_metrics(metrics_file: Path, step: int) -> None:
+def trim_metrics_file(metrics_file: Path, step: int) -> None:
     """Keep the lines up to ``step``; a line half-written by a killed run is dropped."""
     kept = []
     for line in metrics_file.read_text().splitlines():
@@ -87,7 +87,7 @@ def _resume(run: Run, metrics_file: Path) -> int:
     step = load_train_checkpoint(checkpoint, run.trainable)["step"]
     run.log(f"resumed from {checkpoint} (step {step})")
     if dist.get_rank() == 0 and metrics_file.is_file():
-        _trim_metrics(metrics_file, step)
+        trim_metrics_file(metrics_file, step)
     return step
 
 
