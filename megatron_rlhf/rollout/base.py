@@ -21,7 +21,7 @@ class SamplingParams:
     """0 means greedy."""
     top_p: float = 1.0
     top_k: int = 0
-    """0 disables."""
+    """0 or -1 disables."""
     n: int = 1
     """Samples per prompt."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -36,7 +36,8 @@ class Generation:
     tokens: list[int]
     """Response tokens, including the stop token that ended it (if any)."""
     logprobs: list[float]
-    """``log p(token)`` under the generator's logits at temperature 1 (before top-p/top-k)."""
+    """``log p(token)`` under the distribution sampled from, ``softmax(logits / temperature)``
+    (untempered when greedy), before any top-k/top-p cut: what the trainer computes."""
     finished: bool
     """True if a stop token ended it, False if it hit ``max_tokens``."""
     mask: list[int] | None = None

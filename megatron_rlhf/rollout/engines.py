@@ -31,5 +31,5 @@ def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: 
     if cfg.backend == "sglang":
         from megatron_rlhf.rollout.sglang_engine import SGLangGenerator
 
-        return SGLangGenerator(hf_dir, cfg, dtype)
+        return SGLangGenerator(hf_dir, cfg, dtype, eos_id)
     raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or sglang")

@@ -18,10 +18,10 @@ from megatron_rlhf.rollout.base import Generation, SamplingParams
 
 
 class SGLangGenerator:
-    def __init__(self, hf_dir: str, cfg: RolloutConfig, dtype: torch.dtype):
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, dtype: torch.dtype, eos_id: int):
         import torch.distributed as dist
 
-        self.cfg, self.engine = cfg, None
+        self.cfg, self.engine, self._released, self.eos_ids = cfg, None, False, {eos_id}
         if dist.get_rank() % cfg.tp == 0:
             import sglang
 
@@ -33,20 +33,26 @@ class SGLangGenerator:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.engine is not None:
-            self.engine.update_weights_from_tensor(named_tensors=list(named_tensors))
+            result = self.engine.update_weights_from_tensor(named_tensors=list(named_tensors))
+            if isinstance(result, tuple) and not result[0]:  # (success, message)
+                raise RuntimeError(f"sglang rejected the weight update: {result[1]}")
 
     def release_memory(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and not self._released:
             self.engine.release_memory_occupation()
+            self._released = True
 
     def resume_memory(self) -> None:
-        if self.engine is not None:
+        # SGLang fails to resume what it never released (the first sync after start-up).
+        if self.engine is not None and self._released:
             self.engine.resume_memory_occupation()
+            self._released = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        if self.engine is None:
+        if self.engine is None or not prompts:  # SGLang rejects an empty batch
             return []
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
+        stops = {*params.stop_token_ids, *self.eos_ids}
         sampling = {"max_new_tokens": params.max_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "top_k": params.top_k or -1,
                     "stop_token_ids": params.stop_token_ids, "sampling_seed": params.seed}
@@ -57,6 +63,8 @@ class SGLangGenerator:
             meta = out["meta_info"]
             tokens = [token for _, token, _ in meta["output_token_logprobs"]]
             logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
-            finished = (meta.get("finish_reason") or {}).get("type") == "stop"
+            # SGLang reports "length" when the last allowed token is also a stop token.
+            finished = ((meta.get("finish_reason") or {}).get("type") == "stop"
+                        or bool(tokens) and tokens[-1] in stops)
             result.append(Generation(row, tokens, logprobs, finished))
         return result
