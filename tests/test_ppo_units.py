@@ -5,7 +5,7 @@ import torch
 
 from megatron_rlhf.algorithms.advantages import compute_gae, masked_whiten
 from megatron_rlhf.config.loader import load_config
-from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
+from megatron_rlhf.config.ppo_checks import check_layout, optimizer_steps, validate_ppo_config
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.rollout.base import Generation
@@ -99,6 +99,11 @@ def _config(*overrides):
     (["trainer.rollback.lr_factor=2"], "trainer.rollback needs"),
     (["rollout.max_turns=2", "reward.fn=null", "reward.model_path=/rm"], "rollout.max_turns=2 needs reward.fn"),
     (["algorithm.ref_log_prob=never"], "algorithm.ref_log_prob='never' must be one of"),
+    (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "target_kl=0"),
+    (["critic.ppo_epochs=-1"], "critic.ppo_epochs=-1 must be positive"),
+    (["rollout.top_k=-2"], "rollout.top_k=-2"),
+    (["rollout.backend=sglang", "rollout.tp=2"], "rollout.tp=2 with rollout.backend=sglang"),
+    (["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.critic_warmup=5"], "critic_warmup=5"),
 ])
 def test_bad_ppo_configs_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -112,6 +117,8 @@ def test_layout_check_names_the_micro_batch():
         check_layout(cfg, world=2, dp=2)
     with pytest.raises(UserError, match="rollout.tp=2"):
         check_layout(validate_ppo_config(_config("rollout.tp=2")), world=3, dp=3)
+    # A separate critic group generates nothing: the rollout's TP does not constrain it.
+    check_layout(validate_ppo_config(_config("rollout.tp=2")), world=1, dp=1, generates=False)
 
 
 def test_multi_turn_rollout_retries_unsolved_turns_only():
@@ -178,3 +185,48 @@ def test_sample_kl_is_the_per_token_mean_per_response_averaged_like_verl():
     # Response means 0.3 and 0.3, not the sums 0.6 and 0.3: the target is per token.
     assert sample_kl(kl, mask) == pytest.approx(0.3)
     assert sample_kl(kl, torch.zeros_like(mask)) == 0.0
+
+
+def _fake_checkpoints(root, role, steps):
+    from megatron_rlhf.checkpoint.model_ckpt import META_FILE
+
+    for step in steps:
+        (root / role / f"step_{step:08d}").mkdir(parents=True, exist_ok=True)
+        (root / role / f"step_{step:08d}" / META_FILE).write_text("{}")
+
+
+def test_a_kill_between_two_models_saves_leaves_a_step_to_resume_and_pruning_heals(tmp_path):
+    from megatron_rlhf.trainer.ppo_driver import PPORun
+
+    cfg = _config(f"trainer.output_dir={tmp_path}", "trainer.keep_last_n=1", "algorithm.adv_estimator=gae")
+    run = PPORun(cfg, None, None, None, [], [], [], None, None, 10, 10)
+    root = run.ckpt_root
+    # Step 20: the actor saved, then the job died before the critic did (nothing pruned yet).
+    _fake_checkpoints(root, "actor", [10, 20])
+    _fake_checkpoints(root, "critic", [10])
+    assert run.checkpoints() == [10]
+    # Resumed at 10; its next save is step 12, for both models: the abandoned 20 goes too.
+    _fake_checkpoints(root, "actor", [12])
+    _fake_checkpoints(root, "critic", [12])
+    run.prune()
+    assert {p.name for p in (root / "actor").iterdir()} == {"step_00000012"}
+    assert {p.name for p in (root / "critic").iterdir()} == {"step_00000012"}
+    # A metrics line cut off by the kill does not stop the resume.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 11}\n{"step": 12}\n{"step": 13, "a": 1.')
+    run.trim_metrics(12)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 11}\n{"step": 12}\n'
+
+
+def test_each_model_schedules_its_own_epochs():
+    cfg = _config("data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
+                  "actor.ppo_epochs=1", "critic.ppo_epochs=4")
+    # 32 samples a step in mini-batches of 16: 2 optimizer steps per epoch, over 10 steps.
+    assert optimizer_steps(cfg, total_steps=10, prompts_per_step=8) == {"actor": 20, "critic": 80}
+
+
+def test_ranks_without_rows_do_not_drop_the_others_results():
+    from megatron_rlhf.trainer.ppo_driver import cat_rows
+
+    # 1 validation prompt on 2 data-parallel ranks: rank 0 got no rows.
+    assert cat_rows([None, torch.tensor([0.5])]).tolist() == [0.5]
+    assert cat_rows([None, None]) is None

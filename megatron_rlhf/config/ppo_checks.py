@@ -86,6 +86,20 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     for name in ("save_every_steps", "eval_every_steps", "max_steps"):
         if getattr(t, name) < 0:
             raise UserError(f"config: trainer.{name}={getattr(t, name)} must be >= 0 (0: off)")
+    if cfg.critic.ppo_epochs is not None:
+        _positive("critic.ppo_epochs", cfg.critic.ppo_epochs)
+    if alg.kl_ctrl.type == "adaptive":
+        _positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
+        _positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
+    if r.backend == "sglang" and r.tp > 1:
+        # Ray shows each worker one GPU; an SGLang engine spanning several needs them all.
+        raise UserError(f"config: rollout.tp={r.tp} with rollout.backend=sglang is not supported "
+                        "yet (each Ray worker sees one GPU); use rollout.tp=1")
+    if r.top_k < -1:
+        raise UserError(f"config: rollout.top_k={r.top_k} must be >= -1 (0 or -1: off)")
+    if t.critic_warmup < 0 or (t.critic_warmup and alg.adv_estimator != "gae"):
+        raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
+                        f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")
     rb = t.rollback
     if rb.kl_threshold < 0 or not 0 < rb.lr_factor <= 1 or rb.kl_coef_factor < 1 or rb.max_rollbacks < 0:
         raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
@@ -93,10 +107,18 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     return cfg
 
 
-def check_layout(cfg: PPOConfig, world: int, dp: int) -> None:
-    """Batch arithmetic once the data-parallel size is known."""
+def optimizer_steps(cfg: PPOConfig, total_steps: int, prompts_per_step: int) -> dict[str, int]:
+    """Optimizer steps each trained model takes over the run (the length of its LR schedule)."""
+    per_epoch = prompts_per_step * cfg.rollout.n // cfg.actor.ppo_mini_batch_size
+    return {"actor": total_steps * cfg.actor.ppo_epochs * per_epoch,
+            "critic": total_steps * (cfg.critic.ppo_epochs or cfg.actor.ppo_epochs) * per_epoch}
+
+
+def check_layout(cfg: PPOConfig, world: int, dp: int, generates: bool = True) -> None:
+    """Batch arithmetic once the data-parallel size is known; ``generates``: the group hosts
+    rollout engines (a separate critic group does not)."""
     a = cfg.actor
-    if world % cfg.rollout.tp:
+    if generates and world % cfg.rollout.tp:
         raise UserError(f"config: rollout.tp={cfg.rollout.tp} does not divide the {world} worker ranks")
     per_rank = a.ppo_mini_batch_size // dp if a.ppo_mini_batch_size % dp == 0 else None
     if per_rank is None or per_rank % a.ppo_micro_batch_size_per_rank:

@@ -139,7 +139,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    """0 disables."""
+    """0 or -1 disables."""
     stop: list[str] = field(default_factory=list)
     """Extra stop strings (each must be one token); EOS always stops."""
     seed: int = 0

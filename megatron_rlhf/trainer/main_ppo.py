@@ -105,15 +105,14 @@ def setup(cfg: PPOConfig) -> PPORun:
 def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val, tokenizer,
            stop_ids, report) -> PPORun:
     """Worker groups on the Ray cluster: actor (+ critic when shared), or a critic group apart."""
-    from megatron_rlhf.config.ppo_checks import check_layout
+    from megatron_rlhf.config.ppo_checks import check_layout, optimizer_steps
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
     from megatron_rlhf.rewards.registry import get_reward_fn
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     separate = cfg.resource_pool.critic == "separate"
     need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
-    updates = total * cfg.actor.ppo_epochs * (len(train[:cfg.data.train_batch_size]) * cfg.rollout.n
-                                              // cfg.actor.ppo_mini_batch_size)
+    updates = optimizer_steps(cfg, total, len(train[:cfg.data.train_batch_size]))
     threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // world)
     actor = WorkerGroup("actor", world, use_gpu, threads)
     roles = ("actor",) if separate else ("actor", "critic")
@@ -123,7 +122,7 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
         size = cfg.resource_pool.critic_world_size
         par = cfg.critic.parallel or cfg.actor.parallel
         critic_layout = ParallelLayout(tp=par.tp, pp=par.pp).resolve(size, arch.shape)
-        check_layout(cfg, size, critic_layout.dp)
+        check_layout(cfg, size, critic_layout.dp, generates=False)
         critic = WorkerGroup("critic", size, use_gpu, threads)
         critic.build(PPOWorker, cfg, ("critic",), critic_layout, updates)
     run = PPORun(cfg, actor, critic, tokenizer, train, val, stop_ids,

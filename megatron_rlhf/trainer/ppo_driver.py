@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import time
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import MetricsLogger
 from megatron_rlhf.rollout.base import Generation, SamplingParams
-from megatron_rlhf.trainer.loop import epoch_order
+from megatron_rlhf.trainer.loop import epoch_order, trim_metrics_file
 from megatron_rlhf.trainer.ppo_experience import build_batch, sample_kl, token_kl
 
 
@@ -54,7 +55,10 @@ def stitch(results: list) -> list:
 
 
 def cat_rows(parts: list) -> torch.Tensor | None:
-    return None if parts[0] is None else torch.cat(parts)
+    """Data-parallel ranks' row blocks in order; ``None`` from a rank with no rows (fewer rows
+    than ranks) or when nobody computed this output."""
+    present = [p for p in parts if p is not None]
+    return torch.cat(present) if present else None
 
 
 @dataclass
@@ -232,14 +236,32 @@ class PPORun:
 
     def save(self) -> None:
         for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
-            group.call("save", str(self.ckpt_root), self.step, self.state(), self.cfg.trainer.keep_last_n)
+            group.call("save", str(self.ckpt_root), self.step, self.state())
+        self.prune()
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The trained models, each checkpointed in its own folder."""
+        return ("actor", "critic") if self.cfg.algorithm.adv_estimator == "gae" else ("actor",)
 
     def checkpoints(self) -> list[int]:
         """Steps with a checkpoint of every trained model (actor, and critic for GAE), oldest first."""
-        roles = ("actor", "critic") if self.cfg.algorithm.adv_estimator == "gae" else ("actor",)
         steps = [{int(p.name[5:]) for p in complete_checkpoints(self.ckpt_root / role)}
-                 for role in roles]
+                 for role in self.roles]
         return sorted(set.intersection(*steps))
+
+    def prune(self) -> None:
+        """Keep the newest ``trainer.keep_last_n`` steps that every model has, and nothing else.
+
+        Pruning only after all models saved means a kill between two models' saves still leaves
+        a common step to resume from; checkpoints of one model alone (such a kill, or the steps
+        of a timeline a resume or rollback abandoned) go at the next save.
+        """
+        keep = set(self.checkpoints()[-self.cfg.trainer.keep_last_n:])
+        for role in self.roles:
+            for path in complete_checkpoints(self.ckpt_root / role):
+                if int(path.name[5:]) not in keep:
+                    shutil.rmtree(path)
 
     def restore(self, step: int, keep_scales: bool = False) -> None:
         """Load checkpoint ``step`` everywhere; the saved driver state unless ``keep_scales``."""
@@ -258,9 +280,7 @@ class PPORun:
     def trim_metrics(self, step: int) -> None:
         path = self.out / "metrics.jsonl"
         if path.is_file():
-            lines = [line for line in path.read_text().splitlines()
-                     if line.strip() and json.loads(line)["step"] <= step]
-            path.write_text("".join(line + "\n" for line in lines))
+            trim_metrics_file(path, step)
         self.history = [h for h in self.history if h["step"] <= step]
 
     # ------------------------------------------------------------------ guard

@@ -92,7 +92,7 @@ class PPOWorker:
     ``torch.distributed`` is up; ``roles`` is a subset of {"actor", "critic"}."""
 
     def __init__(self, config: PPOConfig, roles: tuple[str, ...], layout: ParallelLayout,
-                 total_updates: int):
+                 total_updates: dict[str, int]):
         self.config, self.roles = config, roles
         self.dtype = training_dtype(config.actor.dtype)
         self.groups = build_parallel_groups(layout, seed=config.trainer.seed)
@@ -102,9 +102,9 @@ class PPOWorker:
         if packing_supported(data.use_remove_padding, "ppo"):
             self.pack_capacity = data.max_prompt_length + data.max_response_length
         if "actor" in roles:
-            self._build_actor(total_updates)
+            self._build_actor(total_updates["actor"])
         if "critic" in roles:
-            self._build_critic(total_updates)
+            self._build_critic(total_updates["critic"])
 
     # ----------------------------------------------------------------------------- set-up
     def _build_actor(self, total_updates: int) -> None:
@@ -286,7 +286,8 @@ class PPOWorker:
             set_lr_scale(trainable, optim, scale)
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save(self, root: str, step: int, state: dict, keep_last_n: int) -> str:
+    def save(self, root: str, step: int, state: dict) -> str:
+        """Save this rank's models at ``step``; the driver prunes once every group has saved."""
         from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
 
         from pathlib import Path
@@ -295,7 +296,7 @@ class PPOWorker:
         if "actor" in self.roles:
             meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded}
             saved = save_train_checkpoint(Path(root) / "actor", step, self.actor, meta,
-                                          self.hf_config, self.tokenizer, state, keep_last_n)
+                                          self.hf_config, self.tokenizer, state, None)
         if "critic" in self.roles and self.critic is not None:
             from transformers import AutoTokenizer
 
@@ -306,7 +307,7 @@ class PPOWorker:
             tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
             saved = save_train_checkpoint(Path(root) / "critic", step, self.critic, meta,
                                           reward_model_hf_config(source, tokenizer.pad_token_id),
-                                          tokenizer, state, keep_last_n)
+                                          tokenizer, state, None)
         return str(saved)
 
     def load(self, root: str, step: int) -> None:
