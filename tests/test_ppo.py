@@ -133,14 +133,14 @@ def test_nan_loss_rolls_back_and_the_lowered_lr_takes_effect(workspace, tmp_path
     greedy = ("rollout.temperature=0", "trainer.save_every_steps=2", "trainer.eval_every_steps=0")
     code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=2", *greedy)))
     assert code == 0, stderr[-3000:]
-    # lr 1e30 blows the weights up at step 3 (its own loss is still finite); step 4's loss is
-    # NaN. The guard restores step 2 with the lr scaled to 1e-3, which must then really apply.
+    # lr 1e30 blows the weights up in step 3's first optimizer step, and its next mini-batch's
+    # loss is NaN. The guard restores step 2 with the lr scaled to 1e-3, which must then apply.
     code, stdout, stderr = finish(ppo(overrides(
         workspace, out, "trainer.max_steps=4", *greedy, "actor.optim.lr=1e30", "actor.optim.min_lr=1e30",
         "actor.optim.warmup_steps_ratio=0", "trainer.rollback.lr_factor=1e-33",
         "trainer.rollback.max_rollbacks=1")))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
-    assert "rollback 1/1" in stdout and "restored step 2, lr scale now 1e-33" in stdout
+    assert "rollback 1/1 at step 3" in stdout and "restored step 2, lr scale now 1e-33" in stdout
     assert "is nan" in stdout.lower() or "is inf" in stdout.lower()
     rows = [r for r in metrics(out) if "actor/pg_loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -304,12 +304,12 @@ class PPORun:
             raise UserError(f"step {self.step + 1}: {reason}; already rolled back {self.rollbacks} "
                             f"times (trainer.rollback.max_rollbacks); stopped. Checkpoints in "
                             f"{self.ckpt_root} are intact")
-        self.rollbacks += 1
+        self.rollbacks, failed = self.rollbacks + 1, self.step + 1
         self.lr_scale *= rb.lr_factor
         self.kl_ctrl.value *= rb.kl_coef_factor
         self.kl_loss_scale *= rb.kl_coef_factor
         self.restore(saved[-1], keep_scales=True)
-        self.log(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {self.step + 1}: {reason}; "
+        self.log(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {failed}: {reason}; "
                  f"restored step {saved[-1]}, lr scale now {self.lr_scale:g}, "
                  f"kl_coef now {self.kl_ctrl.value:g}, kl_loss_coef now {self.kl_loss_coef:g}")
 
