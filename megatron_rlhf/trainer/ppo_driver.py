@@ -182,8 +182,9 @@ class PPORun:
             return {}
         engine = torch.zeros_like(old)
         for row, gen in enumerate(gens):
-            start = int(batch["loss_mask"][row].nonzero()[0])
-            engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
+            if gen.tokens:  # an empty response has no position to compare
+                start = int(batch["loss_mask"][row].nonzero()[0])
+                engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
         gap = (engine - old).abs() * batch["loss_mask"]
         return {"rollout/logprob_diff_max": float(gap.max())}
 
