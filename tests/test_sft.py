@@ -23,6 +23,26 @@ def test_labels_and_loss_mask_by_hand():
     # sample 2's (6, 7) from positions 4 and 5; nothing crosses from one sample into the next.
     assert batch["targets"].tolist() == [[2, 3, 4, 0, 6, 7, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 1, 1, 0]]
+    # An empty prompt part: the first token has no predictor, and the previous sample's last
+    # position (whose target is 0) stays out of the loss.
+    batch = sft_batch([SFTSample((1, 2), 2), SFTSample((5, 6, 7), 0)], capacity=8, pad_id=0,
+                      remove_padding=True, loss_scale=1.0)
+    assert batch["loss_mask"].tolist() == [[0, 0, 1, 1, 0]]
+
+
+def test_without_a_chat_template_replies_start_on_a_new_line_and_end_with_eos(tmp_path):
+    from megatron_rlhf.data.chat import render_prompt, split_prompt_response
+    from megatron_rlhf.models.tiny import train_tokenizer
+    from tests.tiny_models import TEXTS
+
+    tokenizer = train_tokenizer(TEXTS, tmp_path, vocab_size=301, chat_template=False)
+    prompt = [{"role": "user", "content": "what is 3 plus 4?"}]
+    head, tail = split_prompt_response(tokenizer, prompt,
+                                       [{"role": "assistant", "content": "the answer is 7."}])
+    assert head == render_prompt(tokenizer, prompt)  # what PPO feeds the policy
+    assert tokenizer.decode(head) == "what is 3 plus 4?\n"
+    assert tail[-1] == tokenizer.eos_token_id  # the policy learns to stop
+    assert tokenizer.decode(tail[:-1]) == "the answer is 7."
 
 
 @pytest.fixture(scope="module")

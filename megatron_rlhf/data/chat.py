@@ -2,7 +2,9 @@
 
 A prompt is a string (one user turn) or a list of ``{"role", "content"}`` messages; a response is
 a string (one assistant turn) or a message list, which may repeat the prompt's messages first.
-With a chat template the turns are rendered by it; without one the contents are concatenated.
+With a chat template the turns are rendered by it. Without one, each turn is a line, the reply
+starts on a new line, and a reply ends with the end-of-sequence token: a policy fine-tuned on
+such text learns to stop, and a reward model sees the ending PPO samples have.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[in
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=generation_prompt)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer("".join(m["content"] for m in messages))["input_ids"])
+    text = "\n".join(m["content"] for m in messages) + ("\n" if generation_prompt else "")
+    ids = list(tokenizer(text)["input_ids"])
+    if not generation_prompt and messages[-1]["role"] == "assistant" and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return ids
 
 
 def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
     """The prompt alone, ending where the assistant's reply starts."""
-    return _render(tokenizer, prompt, generation_prompt=bool(getattr(tokenizer, "chat_template", None)))
+    return _render(tokenizer, prompt, generation_prompt=True)
 
 
 def split_prompt_response(tokenizer, prompt: list[dict], response: list[dict],

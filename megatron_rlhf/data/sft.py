@@ -68,7 +68,8 @@ def sft_batch(samples: list[SFTSample], capacity: int, pad_id: int, remove_paddi
         start = last - len(sample.ids) + 1
         ids = torch.tensor(sample.ids)
         targets[row, start:last] = ids[1:]
-        loss_mask[row, start + sample.prompt_tokens - 1:last] = 1.0
+        # An empty prompt part: the first token has nothing to be predicted from.
+        loss_mask[row, start + max(sample.prompt_tokens - 1, 0):last] = 1.0
     return {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
             "targets": targets, "loss_mask": loss_mask, "num_tokens": packed.num_tokens,
             "count": len(samples), "loss_scale": loss_scale}
