@@ -136,3 +136,27 @@ def test_tools_script_converts(tiny_models, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "m" / "megatron_rlhf.json").is_file()
+
+
+def test_a_checkpoint_loads_in_the_dtype_a_trainer_asks_for(tiny_models, tmp_path):
+    from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
+    from megatron_rlhf.distributed.launch import init_distributed
+    from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+    from megatron_rlhf.models.builder import build_model
+
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(tiny_models["qwen2_policy"]),
+                 "--out-dir", str(mcore)]) == 0
+    info = read_checkpoint_info(mcore)
+    init_distributed()
+    groups = build_parallel_groups(ParallelLayout(), info.arch.shape)
+    saved = load_model_checkpoint(info, groups)
+    asked = load_model_checkpoint(info, groups, torch.bfloat16)
+    assert {p.dtype for p in saved.parameters()} == {torch.float32} and not saved.config.bf16
+    # As a bf16 build from scratch: bf16 everywhere but megatron's torch-norm fallback on CPU.
+    fresh = build_model(info.arch, groups, torch.bfloat16, info.padded_vocab)
+    assert asked.config.bf16 and asked.state_dict().keys() == fresh.state_dict().keys()
+    assert {n: p.dtype for n, p in asked.named_parameters()} == {n: p.dtype for n, p in fresh.named_parameters()}
+    assert asked.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    for (name, a), (_, b) in zip(saved.named_parameters(), asked.named_parameters()):
+        assert torch.equal(a.to(b.dtype), b), name  # the saved values, cast

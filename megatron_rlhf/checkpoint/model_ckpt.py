@@ -99,11 +99,13 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
     return out
 
 
-def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups):
-    """Build this rank's model stage under ``groups`` and fill it from the checkpoint."""
+def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups,
+                          dtype: torch.dtype | None = None):
+    """Build this rank's model stage under ``groups`` and fill it from the checkpoint, in
+    ``dtype`` (a trainer's configured one) or else the dtype it was saved in."""
     from megatron.core import dist_checkpointing
 
-    model = build_model(info.arch, groups, info.dtype, info.padded_vocab)
+    model = build_model(info.arch, groups, dtype or info.dtype, info.padded_vocab)
     wanted = model.sharded_state_dict()
     state = dist_checkpointing.load(wanted, str(info.path / "model"))
     # Training checkpoints also hold optimizer state; only the model's entries are wanted here.

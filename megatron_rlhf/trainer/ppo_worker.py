@@ -62,7 +62,7 @@ def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype):
         info = read_checkpoint_info(path)
         if info.arch.kind != "policy":
             raise UserError(f"actor.model_path: {path} holds a {info.arch.kind} checkpoint")
-        return load_model_checkpoint(info, groups), info.arch, info.hf_dir, info.padded_vocab
+        return load_model_checkpoint(info, groups, dtype), info.arch, info.hf_dir, info.padded_vocab
     arch = read_hf_arch(path)
     if arch.kind != "policy":
         raise UserError(f"actor.model_path: {path} is a {arch.kind} model, not a causal LM")

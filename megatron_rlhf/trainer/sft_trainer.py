@@ -142,7 +142,7 @@ def setup(config: SFTConfig) -> Run:
     total = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
     dtype = training_dtype(config.model.dtype)
     if checkpoint is not None:
-        model = load_model_checkpoint(checkpoint, groups)
+        model = load_model_checkpoint(checkpoint, groups, dtype)
     else:
         model = build_model(arch, groups, dtype, padded)
         load_hf_weights(model, HFReader(hf_dir), arch, groups, padded, progress=False)

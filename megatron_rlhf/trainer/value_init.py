@@ -49,7 +49,7 @@ def resolve_value_source(path: str, layout: ParallelLayout) -> ValueSource:
 def build_value_model(source: ValueSource, groups: ParallelGroups, dtype: torch.dtype, seed: int):
     """This rank's stage of the value model, with weights from ``source``."""
     if source.is_checkpoint:
-        return load_model_checkpoint(read_checkpoint_info(source.path), groups)
+        return load_model_checkpoint(read_checkpoint_info(source.path), groups, dtype)
     model = build_model(source.arch, groups, dtype, source.padded_vocab)
     skip, unused = (), ()
     if source.from_lm:
