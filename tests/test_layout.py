@@ -16,6 +16,8 @@ SHAPE = ModelShape(num_layers=4, num_attention_heads=8, num_query_groups=2, voca
     ("gpu[003-010,012]", "gpu003"),
     ("gpu[7,9],cpu1", "gpu7"),
     ("a-b-01,a-b-02", "a-b-01"),
+    ("node-a[01-02]-ib", "node-a01-ib"),
+    ("rack[1-2]-node[01-04],x9", "rack1-node01"),
 ])
 def test_first_slurm_host(nodelist, host):
     assert first_slurm_host(nodelist) == host
@@ -53,6 +55,7 @@ def test_resolve_fills_dp():
     (ParallelLayout(tp=2, dp=3), 4, "dp=3 but world size 4"),
     (ParallelLayout(tp=0), 1, "tp=0 must be >= 1"),
     (ParallelLayout(ep=2), 2, "ep=2 needs a mixture-of-experts model"),
+    (ParallelLayout(tp=2, ep=2), 2, "ep=2 must divide dp=1"),  # megatron-core would refuse it
 ])
 def test_invalid_layouts_name_the_problem(layout, world, message):
     with pytest.raises(UserError, match=re.escape("parallel layout: " + message)):

@@ -35,18 +35,25 @@ class RankInfo:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a Slurm node list: ``"gpu[003-010,012],cpu1"`` -> ``"gpu003"``."""
+    """First host of a Slurm node list: ``"gpu[003-010,012],cpu1"`` -> ``"gpu003"``,
+    ``"rack[1-2]-node[01-04]-ib"`` -> ``"rack1-node01-ib"``."""
     nodelist = nodelist.strip()
     if not nodelist:
         raise UserError("SLURM_JOB_NODELIST is empty")
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if match is None:
+    depth, end = 0, len(nodelist)
+    for index, char in enumerate(nodelist):  # the first entry ends at a comma outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or depth > 1:
+            break
+        if char == "," and depth == 0:
+            end = index
+            break
+    entry = nodelist[:end]
+    # Each bracket group stands for its first value.
+    host = re.sub(r"\[([^\[\]]+)\]", lambda m: m.group(1).split(",")[0].split("-")[0], entry)
+    if depth < 0 or depth > 1 or not host or "[" in host or "]" in host:
         raise UserError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return host
 
 
 def discover_rank(env: dict[str, str] | None = None) -> RankInfo:

@@ -55,8 +55,8 @@ class ParallelLayout:
             raise UserError(
                 f"parallel layout: dp={self.dp} but world size {world_size} / (tp*pp={model_parallel})"
                 f" gives dp={dp}")
-        if (self.tp * dp) % self.ep:
-            raise UserError(f"parallel layout: ep={self.ep} must divide tp*dp = {self.tp * dp}")
+        if dp % self.ep:  # megatron-core: world % (expert tp = tp) * ep * pp == 0
+            raise UserError(f"parallel layout: ep={self.ep} must divide dp={dp}")
         if shape is not None:
             self._check_shape(shape)
         return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep)
