@@ -20,14 +20,14 @@ class MetricsLogger:
                  start_step: int = 0):
         self.enabled = enabled
         self.total_steps = total_steps
-        self.writer = None
+        self.writer, self.log_dir = None, Path(output_dir) / "tensorboard"
         self.start, self.start_step = time.time(), start_step
         self.items = self.tokens = 0.0
         if enabled and kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
             # On resume, drop points a killed run logged after its last checkpoint.
-            self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"),
+            self.writer = SummaryWriter(str(self.log_dir),
                                         purge_step=start_step + 1 if start_step else None)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -35,6 +35,14 @@ class MetricsLogger:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
             self.writer.flush()
+
+    def rewind(self, step: int) -> None:
+        """Hide the points logged after ``step`` (a rollback undid those steps)."""
+        if self.writer is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer.close()
+            self.writer = SummaryWriter(str(self.log_dir), purge_step=step + 1)
 
     def count(self, items: float, tokens: float) -> None:
         """Add one step's work to the rate counters (call every step)."""

@@ -230,3 +230,19 @@ def test_ranks_without_rows_do_not_drop_the_others_results():
     # 1 validation prompt on 2 data-parallel ranks: rank 0 got no rows.
     assert cat_rows([None, torch.tensor([0.5])]).tolist() == [0.5]
     assert cat_rows([None, None]) is None
+
+
+def test_rollback_hides_the_undone_steps_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_rlhf.monitoring import MetricsLogger
+
+    logger = MetricsLogger(str(tmp_path), "tensorboard", total_steps=4, enabled=True)
+    for step in (1, 2, 3):
+        logger.scalars(step, {"x": float(step)})
+    logger.rewind(2)  # step 3 was undone; its redo is logged again
+    logger.scalars(3, {"x": 30.0})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0)]

@@ -109,8 +109,22 @@ def test_ultrafeedback_conversion_with_margin(tokenizer, tmp_path):
 def test_margin_must_be_a_number(tokenizer, tmp_path):
     path = _write(tmp_path / "m.parquet", prompt=["a", "b"], chosen=["c", "d"], rejected=["e", "f"],
                   margin=[1.0, None])
-    with pytest.raises(UserError, match=r"column 'margin' row 1: expected a number, got None"):
+    with pytest.raises(UserError, match=r"column 'margin' row 1: expected a finite number, got None"):
         load_pairs([path], tokenizer, 64, 64, "truncate", margin_column="margin")
+    path = _write(tmp_path / "nan.parquet", prompt=["a"], chosen=["c"], rejected=["e"],
+                  margin=[float("nan")])
+    with pytest.raises(UserError, match=r"nan.parquet: column 'margin' row 0: expected a finite number"):
+        load_pairs([path], tokenizer, 64, 64, "truncate", margin_column="margin")
+
+
+def test_pairs_without_a_preference_are_dropped_and_counted(tokenizer, tmp_path):
+    # Row 1 is the same answer twice; row 2's answers differ only past the 12-token limit.
+    path = _write(tmp_path / "same.parquet", prompt=["What is 1 + 2?"] * 3,
+                  chosen=["The answer is 3.", "The answer is 3.", "The answer is 3. " * 5 + "Yes"],
+                  rejected=["The answer is 4.", "The answer is 3.", "The answer is 3. " * 5 + "No"])
+    pairs, report = load_pairs([path], tokenizer, 64, 12, "truncate")
+    assert (len(pairs), report.total, report.identical) == (1, 3, 2)
+    assert "2 dropped as identical" in str(report)
 
 
 def test_converter_keeps_margins_when_the_first_row_has_none(tmp_path):

@@ -6,6 +6,8 @@ A row has ``prompt`` (a string or a list of ``{"role", "content"}`` messages) an
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from megatron_rlhf.data.chat import as_messages, render_prompt, split_prompt_response
@@ -31,12 +33,15 @@ class LengthReport:
     total: int = 0
     truncated: int = 0
     dropped: int = 0
+    identical: int = 0
+    """Pairs whose two sides are the same tokens (after truncation): no preference to learn."""
     files: list[str] = field(default_factory=list)
     item: str = "pairs"
 
     def __str__(self) -> str:
+        same = f", {self.identical} dropped as identical" if self.identical else ""
         return (f"{self.total} {self.item} from {len(self.files)} file(s); {self.truncated} truncated, "
-                f"{self.dropped} dropped as over-long")
+                f"{self.dropped} dropped as over-long{same}")
 
 
 def _messages(value, path: str, column: str, row: int) -> list[dict]:
@@ -50,8 +55,8 @@ def _limit(prompt: list[int], response: list[int], max_prompt: int, max_response
 
 
 def _margin(value, path: str, column: str, row: int) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{path}: column {column!r} row {row}: expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"{path}: column {column!r} row {row}: expected a finite number, got {value!r}")
     return float(value)
 
 
@@ -81,6 +86,9 @@ def load_pairs(files: list[str], tokenizer, max_prompt: int, max_response: int, 
                 report.dropped += 1
                 continue
             report.truncated += int(over)
+            if sides[0] == sides[1]:
+                report.identical += 1
+                continue
             margin = _margin(columns[margin_column][row], path, margin_column, row) \
                 if margin_column else 0.0
             pairs.append(TokenizedPair(tuple(sides[0][0] + sides[0][1]),

@@ -282,6 +282,8 @@ class PPORun:
         path = self.out / "metrics.jsonl"
         if path.is_file():
             trim_metrics_file(path, step)
+        if self.logger is not None:
+            self.logger.rewind(step)
         self.history = [h for h in self.history if h["step"] <= step]
 
     # ------------------------------------------------------------------ guard
