@@ -111,6 +111,30 @@ def reward_parity(root: Path, results: dict) -> None:
             results[f"reward/{name}/{label}"] = max_over_world(diff)
 
 
+def unused_tensor_refused(root: Path, workdir: Path, results: dict) -> None:
+    """An HF tensor no stage maps (here an extra one) is refused at PP=2 too, on every rank."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rlhf.errors import UserError
+
+    extra = workdir / "qwen2_extra"
+    if dist.get_rank() == 0:
+        shutil.copytree(root / "qwen2_policy", extra, dirs_exist_ok=True)
+        tensors = load_file(extra / "model.safetensors")
+        save_file({**tensors, "model.extra_norm.weight": torch.ones(4)}, extra / "model.safetensors")
+    dist.barrier()
+    try:
+        from_hf(extra, LAYOUTS["pp2"])
+        refused = 0.0
+    except UserError as err:
+        refused = float("model.extra_norm.weight" in str(err))
+    flag = torch.tensor([refused])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    results["load/pp2_unused_tensor_refused"] = flag.item()
+
+
 def main() -> None:
     root, workdir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     init_distributed()
@@ -118,6 +142,7 @@ def main() -> None:
     logits_parity(root, results)
     checkpoint_reshard(root, workdir, results)
     reward_parity(root, results)
+    unused_tensor_refused(root, workdir, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
     dist.barrier()

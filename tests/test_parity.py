@@ -37,3 +37,8 @@ def test_tp2_checkpoint_reloads_with_same_logits(parity, layout):
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
 def test_reward_scores_match_transformers(parity, model, layout):
     assert 0 <= parity[f"reward/{model}/{layout}"] < 1e-5
+
+
+def test_unused_hf_tensor_refused_at_pp2(parity):
+    """Each stage loads only its layers; the check covers the union of all stages."""
+    assert parity["load/pp2_unused_tensor_refused"] == 1.0

@@ -20,8 +20,9 @@ def load_hf_weights(model, reader: HFReader, arch: ModelArch, groups: ParallelGr
     """Copy this rank's shard of every Megatron parameter from the HF checkpoint, tensor by tensor.
 
     ``skip`` names Megatron parameters left as initialised (a new head); ``unused_ok`` names HF
-    tensors deliberately dropped (the LM head when starting a reward model from an LM). Otherwise,
-    with pp == 1, every HF tensor must be used: an unmapped one would silently change the model.
+    tensors deliberately dropped (the LM head when starting a reward model from an LM). Otherwise
+    every HF tensor must be used by some pipeline stage: an unmapped one would silently change the
+    model. Collective over the pipeline group when pp > 1.
     """
     offsets = layer_offsets(model)
     used: set[str] = set(unused_ok)
@@ -37,8 +38,12 @@ def load_hf_weights(model, reader: HFReader, arch: ModelArch, groups: ParallelGr
         with torch.no_grad():
             param.copy_(shard)
         used.update(rule.hf_names)
+    if groups.layout.pp > 1:  # each stage loads its own layers: check the union of all stages
+        stages: list[set[str]] = [set()] * groups.layout.pp
+        dist.all_gather_object(stages, used, group=groups.pp)
+        used = set().union(*stages)
     unused = sorted(set(reader.names()) - used)
-    if groups.layout.pp == 1 and unused:
+    if unused:
         raise UserError(f"{len(unused)} HF tensors have no Megatron counterpart, e.g. {unused[0]!r}")
 
 
