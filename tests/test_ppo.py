@@ -135,10 +135,11 @@ def test_nan_loss_rolls_back_and_the_lowered_lr_takes_effect(workspace, tmp_path
     assert code == 0, stderr[-3000:]
     # lr 1e30 blows the weights up in step 3's first optimizer step, and its next mini-batch's
     # loss is NaN. The guard restores step 2 with the lr scaled to 1e-3, which must then apply.
-    code, stdout, stderr = finish(ppo(overrides(
-        workspace, out, "trainer.max_steps=4", *greedy, "actor.optim.lr=1e30", "actor.optim.min_lr=1e30",
-        "actor.optim.warmup_steps_ratio=0", "trainer.rollback.lr_factor=1e-33",
-        "trainer.rollback.max_rollbacks=1")))
+    blowup = (*greedy, "actor.optim.lr=1e30", "actor.optim.min_lr=1e30",
+              "actor.optim.warmup_steps_ratio=0", "trainer.rollback.lr_factor=1e-33",
+              "trainer.rollback.max_rollbacks=1", "trainer.rollback.kl_coef_factor=3.0",
+              "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01")
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=4", *blowup)))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "rollback 1/1 at step 3" in stdout and "restored step 2, lr scale now 1e-33" in stdout
     assert "is nan" in stdout.lower() or "is inf" in stdout.lower()
@@ -146,6 +147,15 @@ def test_nan_loss_rolls_back_and_the_lowered_lr_takes_effect(workspace, tmp_path
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"]) for r in rows)
     assert rows[-1]["actor/lr"] == pytest.approx(1e-3)
+    assert rows[-1]["actor/kl_loss_coef"] == pytest.approx(0.03)
+    # A resumed run keeps what the rollback changed: the lowered lr and the raised KL-loss weight
+    # (a fresh lr of 1e30 would blow the weights up again, and with no rollback left, stop).
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=5", *blowup)))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "resumed from step 4" in stdout
+    last = [r for r in metrics(out) if "actor/pg_loss" in r][-1]
+    assert last["step"] == 5 and math.isfinite(last["actor/pg_loss"])
+    assert last["actor/lr"] == pytest.approx(1e-3) and last["actor/kl_loss_coef"] == pytest.approx(0.03)
 
 
 def test_guard_without_checkpoint_stops_cleanly(workspace, tmp_path):

@@ -272,8 +272,7 @@ class PPORun:
             self.lr_scale, self.rollbacks = state["lr_scale"], state["rollbacks"]
             self.kl_loss_scale = state.get("kl_loss_scale", 1.0)  # absent before it existed
         for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
-            group.call("set_lr_scale", self.lr_scale)
-            group.call("load", str(self.ckpt_root), step)
+            group.call("load", str(self.ckpt_root), step, self.lr_scale)
         self.step = step
         self.actor.call("sync_weights")
         self.trim_metrics(step)

@@ -275,7 +275,7 @@ class PPOWorker:
         return _average(sums, "critic")
 
     def set_lr_scale(self, scale: float) -> None:
-        """Scale the learning-rate schedules (rollbacks lower it); re-applied after every load."""
+        """Scale the learning-rate schedules (rollbacks lower it)."""
         self.lr_scale = scale
         pairs = []
         if "actor" in self.roles:
@@ -310,7 +310,8 @@ class PPOWorker:
                                           tokenizer, state, None)
         return str(saved)
 
-    def load(self, root: str, step: int) -> None:
+    def load(self, root: str, step: int, lr_scale: float) -> None:
+        """Load this rank's models at ``step``, then run their schedules at ``lr_scale``."""
         from pathlib import Path
 
         from megatron_rlhf.checkpoint.train_ckpt import load_train_checkpoint
@@ -320,7 +321,7 @@ class PPOWorker:
             load_train_checkpoint(Path(root) / "actor" / name, self.actor)
         if "critic" in self.roles and self.critic is not None:
             load_train_checkpoint(Path(root) / "critic" / name, self.critic)
-        self.set_lr_scale(self.lr_scale)
+        self.set_lr_scale(lr_scale)
 
 
 def _denominator(batch: dict, rows: list[int], agg_mode: str) -> float:
