@@ -304,9 +304,9 @@ class PPOWorker:
 
             source = self.critic_meta
             meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
-            tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
-            saved = save_train_checkpoint(Path(root) / "critic", step, self.critic, meta,
-                                          reward_model_hf_config(source, tokenizer.pad_token_id),
+            config, tokenizer = reward_model_hf_config(
+                source, AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True))
+            saved = save_train_checkpoint(Path(root) / "critic", step, self.critic, meta, config,
                                           tokenizer, state, None)
         return str(saved)
 

@@ -157,12 +157,12 @@ def setup(config: RMConfig) -> Run:
     model = build_value_model(source, groups, training_dtype(config.model.dtype),
                               config.trainer.seed)
     trainable = make_trainable(model, groups, config.optim, total)
-    hf_config = reward_model_hf_config(source, pad_id(tokenizer))
+    hf_config, export_tokenizer = reward_model_hf_config(source, tokenizer)
     meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
     root = Path(config.trainer.output_dir) / "checkpoints"
 
     def save(step: int) -> Path:
-        return save_train_checkpoint(root, step, trainable, meta, hf_config, tokenizer,
+        return save_train_checkpoint(root, step, trainable, meta, hf_config, export_tokenizer,
                                      {"step": step}, config.trainer.keep_last_n)
 
     _log(f"[train-rm] layout {groups.layout}; {plan.per_step} pairs/step = "

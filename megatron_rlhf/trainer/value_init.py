@@ -67,8 +67,18 @@ def build_value_model(source: ValueSource, groups: ParallelGroups, dtype: torch.
     return model
 
 
-def reward_model_hf_config(source: ValueSource, pad_token_id: int | None):
-    """The HF config a trained reward model is exported with: ``*ForSequenceClassification``."""
+def reward_model_hf_config(source: ValueSource, tokenizer):
+    """The HF config and tokenizer a trained reward model is exported with
+    (``*ForSequenceClassification``).
+
+    transformers' sequence-classification head reads the score at the last token that is not
+    ``config.pad_token_id``. When padding is the EOS token (tokenizers without a pad token), a
+    sequence ending in EOS, as our replies do without a chat template, would be read one token
+    early there, while we score at the EOS. Such a tokenizer gets a pad token of its own in a
+    spare embedding row when the vocabulary has one; otherwise the export says what to expect.
+    """
+    import copy
+
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.hf_dir, local_files_only=True)
@@ -76,6 +86,18 @@ def reward_model_hf_config(source: ValueSource, pad_token_id: int | None):
     config.architectures = [f"{family}ForSequenceClassification"]
     config.num_labels = 1
     config.tie_word_embeddings = False
-    if pad_token_id is not None:
-        config.pad_token_id = pad_token_id
-    return config
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if pad is not None and pad != eos:
+        config.pad_token_id = pad
+        return config, tokenizer
+    if len(tokenizer) < config.vocab_size:
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.add_special_tokens({"pad_token": "<|rm_pad|>"})
+        config.pad_token_id = tokenizer.pad_token_id
+    else:
+        config.pad_token_id = pad if pad is not None else eos
+        print(f"[export] the tokenizer pads with its EOS token and the vocabulary has no spare row "
+              f"for a pad token: transformers' {config.architectures[0]} will read a batch's "
+              "sequences that end in EOS one token early (megatron-rlhf scores at the EOS)",
+              flush=True)
+    return config, tokenizer
