@@ -13,13 +13,19 @@ wall time, start-up included (Ray for ours), is reported apart. Tokens are real 
 prompt + response tokens of the step's samples.
 
     python benchmarks/ppo_throughput.py --work /tmp/bench_ppo [--steps 12] [--warmup 2]
-        [--prompts 16] [--n 4] [--response-length 10] [--threads 2] [--out result.json]
+        [--prompts 16] [--n 4] [--response-length 10] [--threads 2] [--no-floor]
+        [--out result.json]
 
 Ours: wall time of a step is the sum of its ``timing/*`` phases (gen, reward_values,
 old_ref_log_prob, adv, update_critic, update_actor, sync) from ``metrics.jsonl``; the driver's
 bookkeeping between phases is not timed. TRL: wall time between ``on_step_begin`` and
 ``on_step_end`` of a TrainerCallback (generation, reward, loss, backward and optimizer step), of
 which ``gen`` is the time inside the policy's ``generate`` calls and ``rest`` everything else.
+
+Floor: the least work any synchronous trainer on the same engine must do per step, in one plain
+process: transformers' ``generate`` of the step's rows, then one forward, backward and AdamW step
+of the same model on them (no reward, no logging). TRL's s/step over the floor's is the highest
+rate ratio a synchronous trainer generating with transformers can reach against TRL here.
 
 TRL is a benchmark-only dependency: `pip install -c constraints-cpu.txt trl==1.16.0`.
 """
@@ -120,6 +126,58 @@ json.dump({"steps": timer.steps, "train_seconds": train_seconds,
            "samples_per_step": samples}, open(cfg["out"] + "/result.json", "w"))
 '''
 
+FLOOR_RUN = r'''
+# The least work any synchronous trainer on the same engine must do per step: transformers'
+# generate (KV cache, the engine both trainers use on CPU) of the step's rows, then one forward,
+# backward and AdamW step of the same model on them. No reward, no logging, no data loading.
+import json, sys, time, torch
+cfg = json.loads(sys.argv[1])
+torch.set_num_threads(cfg["threads"])
+import pyarrow.parquet as pq
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from megatron_rlhf.data.chat import render_prompt
+
+tok = AutoTokenizer.from_pretrained(cfg["base"], local_files_only=True)
+pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+model = AutoModelForCausalLM.from_pretrained(cfg["base"], dtype=torch.float32, local_files_only=True)
+optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+rows = pq.read_table(cfg["data"]).column("prompt").to_pylist()
+prompts = [render_prompt(tok, [{"role": "user", "content": p}]) for p in rows]
+P, G, R = cfg["prompts"], cfg["n"], cfg["response_length"]
+torch.manual_seed(1)
+steps = []
+for step in range(cfg["steps"]):
+    batch = [p for p in prompts[step * P:(step + 1) * P] for _ in range(G)]
+    start = time.perf_counter()
+    width = max(map(len, batch))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in batch])[:, None]).long()
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=R,
+                             temperature=1.0, top_p=1.0, top_k=None, pad_token_id=pad,
+                             eos_token_id=tok.eos_token_id)
+    generated = time.perf_counter()
+    completion = out[:, width:]
+    done = (completion == tok.eos_token_id).long().cumsum(1)
+    keep = ((done - (completion == tok.eos_token_id).long()) == 0).float()  # up to the EOS
+    full_mask = torch.cat([mask, keep.long()], 1)
+    advantages = torch.randn(len(batch), 1)
+    model.train()
+    logits = model(input_ids=out, attention_mask=full_mask, logits_to_keep=completion.shape[1] + 1).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, completion[..., None])[..., 0]
+    loss = -(logprobs * advantages * keep).sum() / keep.sum().clamp(min=1)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    seconds = time.perf_counter() - start
+    steps.append({"seconds": seconds, "tokens": int(mask.sum() + keep.sum()),
+                  "response_length_mean": float(keep.sum(1).mean()),
+                  "phases": {"gen": generated - start, "rest": seconds - (generated - start)}})
+json.dump({"steps": steps, "samples_per_step": P * G}, open(cfg["out"] + "/result.json", "w"))
+'''
+
 
 def prepare(work: Path, prompts_needed: int) -> tuple[Path, Path]:
     """The bundled addition task and a tiny random Qwen2 base (reused when already there)."""
@@ -196,19 +254,20 @@ def run_ours(base: Path, data: Path, work: Path, args) -> dict:
     return {"steps": steps, "wall_seconds": wall, "samples_per_step": samples}
 
 
-def run_trl(base: Path, data: Path, work: Path, args) -> dict:
-    out = work / "trl"
+def run_script(name: str, script: str, base: Path, data: Path, work: Path, args) -> dict:
+    """Run ``script`` (TRL_RUN or FLOOR_RUN) in its own process; its ``result.json``."""
+    out = work / name
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     cfg = {"base": str(base), "data": str(data), "out": str(out), "steps": args.steps,
            "prompts": args.prompts, "n": args.n, "response_length": args.response_length,
            "threads": args.threads, "lr": args.lr}
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", TRL_RUN, json.dumps(cfg)], env=_env(args.threads),
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], env=_env(args.threads),
                           cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - start
     if proc.returncode:
-        raise RuntimeError(f"TRL run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads((out / "result.json").read_text())
     return {**result, "wall_seconds": wall}
 
@@ -228,10 +287,13 @@ def summarize(result: dict, warmup: int) -> dict:
     return out
 
 
-def table(ours: dict, trl: dict) -> str:
+def table(ours: dict, trl: dict, floor: dict | None = None) -> str:
     rows = ["| trainer | steps measured | s/step | samples/s | tokens/s | mean response length "
             "| whole command (s) |", "|---|---|---|---|---|---|---|"]
-    for name, r in (("megatron-rlhf ppo (grpo)", ours), ("TRL 1.16 GRPOTrainer", trl)):
+    named = [("megatron-rlhf ppo (grpo)", ours), ("TRL 1.16 GRPOTrainer", trl)]
+    if floor is not None:
+        named.append(("floor: bare generate + fwd/bwd/AdamW", floor))
+    for name, r in named:
         rows.append(f"| {name} | {r['steps_measured']} | {r['s_per_step']:.3f} | "
                     f"{r['samples_per_s']:.1f} | {r['tokens_per_s']:.0f} | "
                     f"{r['response_length_mean']:.2f} | {r['wall_seconds']:.1f} |")
@@ -258,7 +320,9 @@ def main() -> None:
                              "single batch)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--pack", action="store_true", help="pack our micro-batches")
-    parser.add_argument("--only", choices=("ours", "trl"), default=None, help="run one side only")
+    parser.add_argument("--only", choices=("ours", "trl", "floor"), default=None, help="run one side only")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the floor run (bare generate + forward/backward/AdamW)")
     parser.add_argument("--out", type=Path, default=None, help="JSON result (default WORK/result.json)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -276,7 +340,9 @@ def main() -> None:
     if args.only in (None, "ours"):
         results["ours"] = run_ours(base, data, work, args)
     if args.only in (None, "trl"):
-        results["trl"] = run_trl(base, data, work, args)
+        results["trl"] = run_script("trl", TRL_RUN, base, data, work, args)
+    if args.only in (None, "floor") and not args.no_floor:
+        results["floor"] = run_script("floor", FLOOR_RUN, base, data, work, args)
     summary = {name: summarize(r, args.warmup) for name, r in results.items()}
     record = {"config": {"prompts": args.prompts, "n": args.n, "response_length": args.response_length,
                          "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
@@ -285,20 +351,33 @@ def main() -> None:
                          "prompt_tokens_mean": sum(lengths) / len(lengths)},
               "summary": summary, "per_step": {k: r["steps"] for k, r in results.items()},
               "trl_generation_kv_cache": results.get("trl", {}).get("generation_kv_cache")}
-    if len(summary) == 2:
+    if "ours" in summary and "trl" in summary:
         record["ratio_ours_over_trl"] = {
             k: summary["ours"][k] / summary["trl"][k]
             for k in ("s_per_step", "samples_per_s", "tokens_per_s", "wall_seconds")}
         print(f"P={args.prompts} prompts x G={args.n} samples, R={args.response_length} tokens, "
               f"{args.threads} threads, {args.steps} steps ({args.warmup} warm-up)\n")
-        print(table(summary["ours"], summary["trl"]))
-        for name in ("ours", "trl"):
+        print(table(summary["ours"], summary["trl"], summary.get("floor")))
+        for name in summary:
             if "phases_s_per_step" in summary[name]:
                 print(f"\n{name}, s/step by phase: " + ", ".join(
                     f"{k} {v:.3f}" for k, v in summary[name]["phases_s_per_step"].items()))
         print(f"TRL generation used the KV cache: {results['trl'].get('generation_kv_cache')}")
     else:
         print(json.dumps(summary, indent=1))
+    if "floor" in summary and "trl" in summary:
+        # No synchronous trainer on this engine can step faster than the floor.
+        ceiling = summary["trl"]["s_per_step"] / summary["floor"]["s_per_step"]
+        # The same bound if generation cost no more than inside TRL (the faster of the two runs).
+        trl_gen = summary["trl"]["phases_s_per_step"]["gen"]
+        generous = summary["trl"]["s_per_step"] / (
+            min(trl_gen, summary["floor"]["phases_s_per_step"]["gen"])
+            + summary["floor"]["phases_s_per_step"]["rest"])
+        record["ceiling_rate_over_trl"] = ceiling
+        record["ceiling_rate_over_trl_at_trl_generation"] = generous
+        print(f"\nceiling: the floor steps {ceiling:.2f}x as fast as TRL ({generous:.2f}x with "
+              "generation as fast as in TRL's run); a synchronous trainer that generates with "
+              "transformers' generate cannot exceed that")
     out = args.out or work / "result.json"
     out.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {out}")

@@ -149,7 +149,10 @@ class PPORun:
         # turn's reward; single-turn ones by the whole response.
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
         truths = [prompts[g.prompt_index].ground_truth for g in gens]
-        values, rm = (cat_rows(parts) for parts in zip(*stitch(self.critic.call("compute_values", batch))))
+        values = rm = None
+        if self.cfg.algorithm.adv_estimator == "gae" or self.cfg.reward.model_path:
+            parts = stitch(self.critic.call("compute_values", batch))
+            values, rm = (cat_rows(p) for p in zip(*parts))
         batch["values"] = values
         r = self.cfg.reward
         score, turns = torch.zeros(len(gens)), None
