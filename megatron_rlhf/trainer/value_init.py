@@ -79,6 +79,7 @@ def reward_model_hf_config(source: ValueSource, tokenizer):
     """
     import copy
 
+    import torch.distributed as dist
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(source.hf_dir, local_files_only=True)
@@ -87,15 +88,16 @@ def reward_model_hf_config(source: ValueSource, tokenizer):
     config.num_labels = 1
     config.tie_word_embeddings = False
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    if pad is not None and pad != eos:
-        config.pad_token_id = pad
+    if eos is None or (pad is not None and pad != eos):
+        config.pad_token_id = pad if pad is not None else config.pad_token_id
         return config, tokenizer
     if len(tokenizer) < config.vocab_size:
         tokenizer = copy.deepcopy(tokenizer)
         tokenizer.add_special_tokens({"pad_token": "<|rm_pad|>"})
         config.pad_token_id = tokenizer.pad_token_id
-    else:
-        config.pad_token_id = pad if pad is not None else eos
+        return config, tokenizer
+    config.pad_token_id = eos
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[export] the tokenizer pads with its EOS token and the vocabulary has no spare row "
               f"for a pad token: transformers' {config.architectures[0]} will read a batch's "
               "sequences that end in EOS one token early (megatron-rlhf scores at the EOS)",
