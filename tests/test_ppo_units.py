@@ -69,6 +69,7 @@ def test_micro_denominators_rebuild_the_mini_batch_aggregate():
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
     loss = torch.arange(12.0).reshape(4, 3)
     for mode, whole in (("token-mean", (loss * mask).sum() / mask.sum()),
+                        ("seq-mean-token-sum", (loss * mask).sum(1).mean()),
                         ("seq-mean-token-mean", ((loss * mask).sum(1) / mask.sum(1)).mean())):
         from megatron_rlhf.algorithms.ppo import aggregate
 
@@ -76,6 +77,38 @@ def test_micro_denominators_rebuild_the_mini_batch_aggregate():
         denominator = mask.sum() if mode == "token-mean" else 4.0
         rebuilt = sum(aggregate(l, m, mode) * micro_denominator(m, mode) for l, m in parts) / denominator
         assert torch.allclose(rebuilt, whole)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_logged_value_loss_is_the_optimised_mini_batch_loss(mode):
+    """Micro-batches of unequal token counts: the logged loss is the whole batch's aggregate in
+    every loss_agg_mode (sequence means were once weighted by tokens)."""
+    from megatron_rlhf.algorithms.ppo import value_loss
+    from megatron_rlhf.trainer.ppo_losses import critic_loss
+    from megatron_rlhf.trainer.ppo_worker import CRITIC_KEYS, _average
+
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 1]])
+    output, old, returns = (torch.randn(4, 4, generator=generator) for _ in range(3))
+    batch = {"input_ids": torch.zeros(4, 4, dtype=torch.long), "loss_mask": mask,
+             "values": old, "returns": returns}
+    sums = dict.fromkeys(CRITIC_KEYS, 0.0)
+    for rows in (slice(0, 1), slice(1, 4)):
+        micro = {k: v[rows] for k, v in batch.items()} | {"loss_weight": 1.0}
+        _, metrics = critic_loss(output[rows, :, None], micro, cliprange_value=0.2, agg_mode=mode)
+        sums = {k: sums[k] + float(metrics[k]) for k in CRITIC_KEYS}
+    logged = _average([sums | {"grad_norm": 0.0, "lr": 0.0}], "critic")["critic/vf_loss"]
+    whole, _ = value_loss(output, old, returns, mask, 0.2, mode)
+    assert logged == pytest.approx(float(whole), rel=1e-6)
+
+
+def test_dr_grpo_centres_scores_without_dividing_by_the_std():
+    batch = _batch()
+    scores = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    cfg = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)
+    out = compute_advantages(batch, scores, cfg, kl_coef=0.0)
+    expected = torch.tensor([0.5, -0.5, 1.0, -1.0])[:, None] * batch["loss_mask"]
+    assert torch.allclose(out["advantages"], expected)
 
 
 def test_dp_slices_cover_every_row_once():

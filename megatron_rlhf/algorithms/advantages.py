@@ -119,7 +119,10 @@ def group_normalized_advantages(scores: torch.Tensor, group_ids: torch.Tensor,
 
 
 def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """RLOO: score minus the mean of the *other* samples of its prompt; ``[N] -> [N]``."""
+    """RLOO: score minus the mean of the *other* samples of its prompt; ``[N] -> [N]``.
+
+    A group of one has no other sample and gets advantage 0.
+    """
     out = torch.zeros_like(scores)
     for group in torch.unique(group_ids):
         members = group_ids == group

@@ -61,6 +61,8 @@ class AlgorithmConfig:
     """GAE lambda."""
     whiten_advantages: bool = True
     """Normalise advantages over the step's response tokens (GAE only)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO divides each centred score by its group's std; ``false``: centring only (Dr. GRPO)."""
     use_kl_in_reward: bool = False
     """Subtract ``kl_coef * KL_t`` from every response token's reward."""
     kl_penalty: str = "k1"

@@ -57,8 +57,11 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
     else:
         if cfg.use_kl_in_reward:  # sequence-level methods take the KL as a score penalty
             scores = scores - kl_coef * kl.sum(dim=1)
-        estimator = group_normalized_advantages if cfg.adv_estimator == "grpo" else rloo_advantages
-        per_sample = estimator(scores, batch["group"])
+        if cfg.adv_estimator == "grpo":
+            per_sample = group_normalized_advantages(scores, batch["group"],
+                                                     cfg.norm_adv_by_std_in_grpo)
+        else:
+            per_sample = rloo_advantages(scores, batch["group"])
         advantages = per_sample[:, None] * mask
         rewards = token_level_rewards(scores, mask)
         returns = advantages

@@ -70,9 +70,12 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
           else torch.zeros_like(logprob))
     if cfg.use_kl_loss:
         loss = loss + kl_loss_coef * aggregate(kl, mask, cfg.loss_agg_mode)
-    tokens = mask.sum()
-    scale = micro_denominator(mask, cfg.loss_agg_mode) * batch["loss_weight"]
-    metrics = {"pg_loss": out.loss.detach() * tokens, "clipfrac": out.clipfrac.detach() * tokens,
+    tokens, denominator = mask.sum(), micro_denominator(mask, cfg.loss_agg_mode)
+    scale = denominator * batch["loss_weight"]
+    # The loss is a mean over tokens or over sequences (loss_agg_mode): its sum is weighted by
+    # that count, every per-token metric by the token count.
+    metrics = {"pg_loss": out.loss.detach() * denominator, "loss_denominator": denominator,
+               "clipfrac": out.clipfrac.detach() * tokens,
                "ppo_kl": out.approx_kl.detach() * tokens,
                "entropy": masked_mean(entropy.detach(), mask) * tokens,
                "kl": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
@@ -91,8 +94,9 @@ def critic_loss(output: torch.Tensor, batch: dict, *, cliprange_value: float, ag
     values = to_grid(output[..., 0].float(), batch)
     loss, clipfrac = value_loss(values, take("values"), take("returns"), mask,
                                 cliprange_value or None, agg_mode)
-    tokens = mask.sum()
-    scale = micro_denominator(mask, agg_mode) * batch["loss_weight"]
-    metrics = {"vf_loss": loss.detach() * tokens, "vf_clipfrac": clipfrac.detach() * tokens,
+    tokens, denominator = mask.sum(), micro_denominator(mask, agg_mode)
+    scale = denominator * batch["loss_weight"]
+    metrics = {"vf_loss": loss.detach() * denominator, "loss_denominator": denominator,
+               "vf_clipfrac": clipfrac.detach() * tokens,
                "tokens": tokens, "count": torch.tensor(float(mask.shape[0]))}
     return loss * scale, metrics

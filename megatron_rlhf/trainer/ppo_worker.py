@@ -32,8 +32,9 @@ from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, red
 from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, grid_logprobs
 from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
 
-ACTOR_KEYS = ["pg_loss", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
-CRITIC_KEYS = ["vf_loss", "vf_clipfrac", "tokens", "count"]
+ACTOR_KEYS = ["pg_loss", "loss_denominator", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
+CRITIC_KEYS = ["vf_loss", "loss_denominator", "vf_clipfrac", "tokens", "count"]
+LOSSES = ("pg_loss", "vf_loss")  # means over loss_denominator; the other metrics over tokens
 
 
 def dp_slice(count: int, dp: int, rank: int) -> slice:
@@ -331,14 +332,17 @@ def _denominator(batch: dict, rows: list[int], agg_mode: str) -> float:
 
 
 def _average(sums: list[dict], prefix: str) -> dict:
-    """Token-weighted means over all optimizer steps of this update; plain means for the rest."""
+    """Means over all optimizer steps of this update: the loss over what ``loss_agg_mode``
+    averages (tokens or sequences), the other per-token metrics over tokens, plain means for
+    the grad norm and lr."""
     tokens = sum(s["tokens"] for s in sums) or 1.0
+    denominator = sum(s["loss_denominator"] for s in sums) or 1.0
     out = {}
     for key in sums[0]:
-        if key in ("tokens", "count"):
+        if key in ("tokens", "count", "loss_denominator"):
             continue
         if key in ("grad_norm", "lr"):
             out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / len(sums)
         else:
-            out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / tokens
+            out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / (denominator if key in LOSSES else tokens)
     return out
