@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from megatron_rlhf.errors import UserError
 
@@ -51,16 +52,29 @@ TRAINERS = {"train-rm": (_schema("RMConfig"), _rm), "sft": (_schema("SFTConfig")
 
 def _size(text: str) -> int:
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "B": 1}
+    value = None
     for unit, factor in units.items():
         if text.upper().endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+            value = int(float(text[: -len(unit)]) * factor)
+            break
+    value = int(text) if value is None else value
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
+    return value
+
+
+def _count(text: str) -> int:
+    """A positive integer argument (process counts, batch sizes)."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
 
 
 def _add_layout(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--nproc-per-node", type=int, default=1,
+    parser.add_argument("--nproc-per-node", type=_count, default=1,
                         help="launch this many local processes (ignored under torchrun/srun)")
 
 
@@ -84,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--model-dir", required=True, help="Megatron reward-model checkpoint")
     score.add_argument("--data", required=True, help="Parquet with prompt, chosen, rejected")
     score.add_argument("--output", required=True, help="Parquet written with *_reward columns")
-    score.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch")
+    score.add_argument("--micro-batch-size", type=_count, default=8, help="sequences per micro-batch")
     _add_layout(score)
 
     for job, what, folder in (("train-rm", "train a Bradley-Terry reward model", "rm"),
@@ -92,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         trainer = jobs.add_parser(job, help=what)
         trainer.add_argument("--config", help=f"YAML under configs/{folder}/")
         trainer.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-5")
-        trainer.add_argument("--nproc-per-node", type=int, default=1,
+        trainer.add_argument("--nproc-per-node", type=_count, default=1,
                              help="launch this many local processes (ignored under torchrun/srun)")
     ppo = jobs.add_parser("ppo", help="PPO / GRPO: Ray driver + Megatron worker groups")
     ppo.add_argument("--config", help="YAML under configs/ppo/")
@@ -113,7 +127,6 @@ def _validate_before_launch(args) -> None:
     """Checks that need no process group, run once in the parent before ranks are spawned."""
     from megatron_rlhf.checkpoint.model_ckpt import check_writable, read_checkpoint_info
     from megatron_rlhf.convert.checkpoints import read_hf_arch
-    from megatron_rlhf.data.parquet import read_table
     from megatron_rlhf.distributed.layout import ParallelLayout
 
     if args.job in TRAINERS:
@@ -127,8 +140,18 @@ def _validate_before_launch(args) -> None:
         check_writable(args.out_dir)
     else:
         arch = read_checkpoint_info(args.model_dir).arch
-        read_table(args.data, ("prompt", "chosen", "rejected"))
+        _check_score_io(args)
     layout.resolve(args.nproc_per_node, arch.shape)
+
+
+def _check_score_io(args) -> None:
+    """score-rm's input has rows and its output names a file, before any scoring."""
+    from megatron_rlhf.data.parquet import read_table
+
+    if read_table(args.data, ("prompt", "chosen", "rejected")).num_rows == 0:
+        raise UserError(f"{args.data}: no rows to score")
+    if Path(args.output).is_dir():
+        raise UserError(f"--output {args.output} is a folder; name the Parquet file to write")
 
 
 def run(args) -> int:
@@ -148,6 +171,7 @@ def run(args) -> int:
     elif args.job == "score-rm":
         from megatron_rlhf.rewards.rm_scorer import score_pairs
 
+        _check_score_io(args)
         result = score_pairs(args.model_dir, args.data, args.output,
                              ParallelLayout(tp=args.tp, pp=args.pp), args.micro_batch_size)
         if result is not None:

@@ -137,6 +137,15 @@ def _config(*overrides):
     (["rollout.top_k=-2"], "rollout.top_k=-2"),
     (["rollout.backend=sglang", "rollout.tp=2"], "rollout.tp=2 with rollout.backend=sglang"),
     (["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.critic_warmup=5"], "critic_warmup=5"),
+    (["actor.optim.lr=nan"], "actor.optim.lr=nan must be positive"),
+    (["critic.optim.weight_decay=-5"], "critic.optim.weight_decay=-5.0 must be >= 0"),
+    (["actor.optim.betas=[0.9,1.5]"], "actor.optim.betas=[0.9, 1.5]"),
+    (["rollout.top_p=0"], "rollout.top_p=0.0 must be in (0, 1]"),
+    (["rollout.top_p=1.5"], "rollout.top_p=1.5 must be in (0, 1]"),
+    (["rollout.val_temperature=-1"], "rollout.val_temperature=-1.0 must be >= 0"),
+    (["actor.clip_ratio=-1"], "actor.clip_ratio=-1.0 must be positive"),
+    (["resource_pool.critic=separate", "resource_pool.critic_world_size=0"],
+     "resource_pool.critic_world_size=0 must be positive"),
 ])
 def test_bad_ppo_configs_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):

@@ -99,15 +99,31 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
     return out
 
 
+def read_sharded(wanted: dict, path: Path) -> dict:
+    """``dist_checkpointing.load`` of ``path/model``; an unreadable (truncated, half-copied)
+    checkpoint is a :class:`UserError` naming it, not a traceback."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(wanted, str(path / "model"))
+    except (Exception, CheckpointException) as err:  # the latter is a BaseException
+        # A CheckpointException carries each failed rank's own exception: show the first.
+        failures = getattr(err, "failures", None)
+        cause = next(iter(failures.values())) if failures else err
+        cause = getattr(cause, "exc", cause)  # torch wraps it with its traceback
+        text = " ".join(str(cause).split())[:300]
+        raise UserError(f"checkpoint {path} cannot be read ({type(cause).__name__}: {text}); it "
+                        "may be incomplete or damaged") from None
+
+
 def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups,
                           dtype: torch.dtype | None = None):
     """Build this rank's model stage under ``groups`` and fill it from the checkpoint, in
     ``dtype`` (a trainer's configured one) or else the dtype it was saved in."""
-    from megatron.core import dist_checkpointing
-
     model = build_model(info.arch, groups, dtype or info.dtype, info.padded_vocab)
     wanted = model.sharded_state_dict()
-    state = dist_checkpointing.load(wanted, str(info.path / "model"))
+    state = read_sharded(wanted, info.path)
     # Training checkpoints also hold optimizer state; only the model's entries are wanted here.
     model.load_state_dict({key: state[key] for key in wanted})
     return model

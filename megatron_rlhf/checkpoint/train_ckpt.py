@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype_name
+from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype_name, read_sharded
 from megatron_rlhf.trainer.engine import Trainable
 
 PREFIX = "step_"
@@ -92,10 +92,8 @@ def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainab
 
 def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
-    loaded = dist_checkpointing.load(_sharded_state(trainable, loading=True), str(path / "model"))
+    loaded = read_sharded(_sharded_state(trainable, loading=True), path)
     trainable.module.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
     state = json.loads((path / "trainer_state.json").read_text())

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_rlhf.config.schema import RMConfig, SFTConfig
@@ -20,9 +21,7 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
     try:
         merged = OmegaConf.structured(schema)
         if yaml_path is not None:
-            if not Path(yaml_path).is_file():
-                raise UserError(f"config file not found: {yaml_path}")
-            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+            merged = OmegaConf.merge(merged, _read_yaml(yaml_path))
         bad = [item for item in overrides if "=" not in item]
         if bad:
             raise UserError(f"override {bad[0]!r} is not of the form key=value")
@@ -35,6 +34,21 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
         key = getattr(err, "full_key", None)
         where = f"{key}: " if key else ""
         raise UserError(f"config: {where}{str(err).splitlines()[0]}") from None
+
+
+def _read_yaml(path: str):
+    import yaml
+
+    if not Path(path).is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise UserError(f"config file {path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(loaded, DictConfig):
+        raise UserError(f"config file {path}: the top level must be a mapping of sections, "
+                        f"not a {type(loaded).__name__}")
+    return loaded
 
 
 @dataclass(frozen=True)
@@ -61,8 +75,25 @@ def batch_plan(train_batch_size: int, micro_batch_size_per_rank: int, dp: int) -
 
 
 def _positive(name: str, value) -> None:
-    if value <= 0:
+    if not value > 0 or not math.isfinite(value):  # NaN compares false
         raise UserError(f"config: {name}={value} must be positive")
+
+
+def check_optim(prefix: str, optim) -> None:
+    """An ``OptimConfig`` at ``prefix`` (``optim``, ``actor.optim``, ...): finite, in range."""
+    _positive(f"{prefix}.lr", optim.lr)
+    _positive(f"{prefix}.eps", optim.eps)
+    for name in ("min_lr", "weight_decay", "clip_grad"):
+        value = getattr(optim, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise UserError(f"config: {prefix}.{name}={value} must be >= 0")
+    if optim.min_lr > optim.lr:
+        raise UserError(f"config: {prefix}.min_lr={optim.min_lr} exceeds {prefix}.lr={optim.lr}")
+    if not 0 <= optim.warmup_steps_ratio < 1:
+        raise UserError(f"config: {prefix}.warmup_steps_ratio={optim.warmup_steps_ratio} must be "
+                        "in [0, 1)")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        raise UserError(f"config: {prefix}.betas={list(optim.betas)} must be two values in [0, 1)")
 
 
 def validate_rm_config(config: RMConfig) -> RMConfig:
@@ -82,7 +113,7 @@ def validate_training_config(config):
     for name in ("max_prompt_length", "max_response_length", "train_batch_size",
                  "micro_batch_size_per_rank"):
         _positive(f"data.{name}", getattr(data, name))
-    _positive("optim.lr", optim.lr)
+    check_optim("optim", optim)
     _positive("trainer.total_epochs", trainer.total_epochs)
     _positive("trainer.keep_last_n", trainer.keep_last_n)
     _positive("trainer.log_every_steps", trainer.log_every_steps)
@@ -96,8 +127,4 @@ def validate_training_config(config):
     for name, (value, allowed) in choices.items():
         if value not in allowed:
             raise UserError(f"config: {name}={value!r} must be one of {', '.join(allowed)}")
-    if not 0 <= optim.warmup_steps_ratio < 1:
-        raise UserError(f"config: optim.warmup_steps_ratio={optim.warmup_steps_ratio} must be in [0, 1)")
-    if optim.min_lr > optim.lr:
-        raise UserError(f"config: optim.min_lr={optim.min_lr} exceeds optim.lr={optim.lr}")
     return config

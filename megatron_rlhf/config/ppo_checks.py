@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
+from megatron_rlhf.config.loader import check_optim
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 
@@ -13,7 +16,7 @@ def _choice(name: str, value, allowed) -> None:
 
 
 def _positive(name: str, value) -> None:
-    if value is None or value <= 0:
+    if value is None or not value > 0 or not math.isfinite(value):  # NaN compares false
         raise UserError(f"config: {name}={value} must be positive")
 
 
@@ -42,8 +45,8 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("data.train_batch_size", d.train_batch_size),
                         ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
                         ("actor.ppo_micro_batch_size_per_rank", a.ppo_micro_batch_size_per_rank),
-                        ("actor.ppo_epochs", a.ppo_epochs), ("actor.optim.lr", a.optim.lr),
-                        ("critic.optim.lr", cfg.critic.optim.lr), ("rollout.n", r.n),
+                        ("actor.ppo_epochs", a.ppo_epochs), ("actor.clip_ratio", a.clip_ratio),
+                        ("rollout.n", r.n),
                         ("rollout.tp", r.tp), ("rollout.bucket_size_mb", r.bucket_size_mb),
                         ("rollout.max_turns", r.max_turns),
                         ("trainer.total_epochs", t.total_epochs),
@@ -51,6 +54,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("trainer.log_every_steps", t.log_every_steps),
                         ("trainer.keep_last_n", t.keep_last_n)):
         _positive(name, value)
+    _check_ranges(cfg)
     _choice("data.overlong", d.overlong, ("drop", "truncate"))
     _choice("algorithm.adv_estimator", alg.adv_estimator, ("gae", "grpo", "rloo"))
     _choice("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
@@ -77,8 +81,6 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     if not 0 < alg.gamma <= 1 or not 0 <= alg.lam <= 1:
         raise UserError(f"config: algorithm.gamma={alg.gamma} must be in (0, 1] and "
                         f"algorithm.lam={alg.lam} in [0, 1]")
-    if r.temperature < 0:
-        raise UserError(f"config: rollout.temperature={r.temperature} must be >= 0")
     samples = d.train_batch_size * r.n
     if samples % a.ppo_mini_batch_size:
         raise UserError(f"config: a step's {samples} samples (data.train_batch_size x rollout.n) "
@@ -95,8 +97,6 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         # Ray shows each worker one GPU; an SGLang engine spanning several needs them all.
         raise UserError(f"config: rollout.tp={r.tp} with rollout.backend=sglang is not supported "
                         "yet (each Ray worker sees one GPU); use rollout.tp=1")
-    if r.top_k < -1:
-        raise UserError(f"config: rollout.top_k={r.top_k} must be >= -1 (0 or -1: off)")
     if t.critic_warmup < 0 or (t.critic_warmup and alg.adv_estimator != "gae"):
         raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
                         f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")
@@ -105,6 +105,25 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
                         f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
     return cfg
+
+
+def _check_ranges(cfg: PPOConfig) -> None:
+    """Optimizers, clip ratios, sampling parameters and the critic pool size."""
+    a, r = cfg.actor, cfg.rollout
+    check_optim("actor.optim", a.optim)
+    check_optim("critic.optim", cfg.critic.optim)
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if getattr(a, name) is not None:
+            _positive(f"actor.{name}", getattr(a, name))
+    if cfg.resource_pool.critic == "separate":
+        _positive("resource_pool.critic_world_size", cfg.resource_pool.critic_world_size)
+    for name in ("temperature", "val_temperature"):
+        if not getattr(r, name) >= 0:
+            raise UserError(f"config: rollout.{name}={getattr(r, name)} must be >= 0")
+    if not 0 < r.top_p <= 1:
+        raise UserError(f"config: rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k < -1:
+        raise UserError(f"config: rollout.top_k={r.top_k} must be >= -1 (0 or -1: off)")
 
 
 def optimizer_steps(cfg: PPOConfig, total_steps: int, prompts_per_step: int) -> dict[str, int]:

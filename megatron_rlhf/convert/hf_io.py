@@ -23,6 +23,14 @@ HF_ASSET_PATTERNS = ("config.json", "generation_config.json", "tokenizer*", "voc
                      "tokenizer.model", "added_tokens.json")
 
 
+def _open(path: Path):
+    """``safe_open`` whose failure on a damaged file (truncated download, wrong format) names it."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # SafetensorError is not exported under a stable name
+        raise UserError(f"{path}: not a readable safetensors file ({err})") from None
+
+
 class HFReader:
     """Lazy tensor reader over ``model.safetensors`` or a sharded ``*.index.json`` folder."""
 
@@ -36,7 +44,7 @@ class HFReader:
         if index.is_file():
             self.files = json.loads(index.read_text())["weight_map"]
         elif (self.dir / "model.safetensors").is_file():
-            with safe_open(self.dir / "model.safetensors", "pt") as handle:
+            with _open(self.dir / "model.safetensors") as handle:
                 self.files = {name: "model.safetensors" for name in handle.keys()}
         else:
             raise UserError(f"no model.safetensors or model.safetensors.index.json in {self.dir}")
@@ -53,8 +61,11 @@ class HFReader:
             path = self.dir / file
             if not path.is_file():
                 raise UserError(f"missing weight file {path}")
-            self._handles[file] = safe_open(path, "pt")
-        return self._handles[file].get_tensor(name)
+            self._handles[file] = _open(path)
+        try:
+            return self._handles[file].get_tensor(name)
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise UserError(f"{self.dir / file}: cannot read tensor {name!r} ({err})") from None
 
     def dtype(self) -> torch.dtype:
         """The checkpoint's floating dtype, read from its stored tensors (not the config)."""

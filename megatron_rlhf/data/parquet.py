@@ -25,7 +25,8 @@ def read_table(path: str | os.PathLike, required: tuple[str, ...]) -> pa.Table:
             raise UserError(f"{path}: missing column {column!r} (has {', '.join(table.column_names)})")
         values = table.column(column).to_pylist()
         for row, value in enumerate(values):
-            if value is None or (hasattr(value, "__len__") and len(value) == 0):
+            if value is None or (hasattr(value, "__len__") and len(value) == 0) or (
+                    isinstance(value, str) and not value.strip()):
                 raise UserError(f"{path}: column {column!r} row {row} is null or empty")
             if not isinstance(value, (str, list)):
                 raise UserError(f"{path}: column {column!r} row {row} has type "

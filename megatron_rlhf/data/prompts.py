@@ -4,6 +4,7 @@ rewards, a ground-truth column. Rendered with the chat template up to the assist
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from megatron_rlhf.data.chat import as_messages, render_prompt
 from megatron_rlhf.data.parquet import read_table
@@ -18,13 +19,21 @@ class Prompt:
 
 
 def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key: str,
-                 max_prompt: int, overlong: str, need_ground_truth: bool
+                 max_prompt: int, overlong: str, need_ground_truth: bool,
+                 check_truth: Callable[[str], object] | None = None
                  ) -> tuple[list[Prompt], LengthReport]:
-    """Read, check and tokenise every file; :class:`UserError` names the file, column and row."""
+    """Read, check and tokenise every file; :class:`UserError` names the file, column and row.
+
+    Ground truths may be strings or numbers; ``check_truth(truth)`` (the rule-based rewards run
+    on an empty response) must accept each one, so a value the checker cannot read stops the
+    run here rather than mid-training.
+    """
     prompts, report = [], LengthReport(files=list(files), item="prompts")
-    required = (prompt_key,) + ((ground_truth_key,) if need_ground_truth else ())
     for path in files:
-        table = read_table(path, required)
+        table = read_table(path, (prompt_key,))
+        if need_ground_truth and ground_truth_key not in table.column_names:
+            raise UserError(f"{path}: missing column {ground_truth_key!r} (has "
+                            f"{', '.join(table.column_names)})")
         texts = table.column(prompt_key).to_pylist()
         truths = (table.column(ground_truth_key).to_pylist()
                   if ground_truth_key in table.column_names else [None] * len(texts))
@@ -33,6 +42,13 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key:
             ids = render_prompt(tokenizer, as_messages(text, "user", where))
             if need_ground_truth and (truth is None or str(truth).strip() == ""):
                 raise UserError(f"{path}: column {ground_truth_key!r} row {row} is empty")
+            if need_ground_truth and check_truth is not None:
+                try:
+                    check_truth(str(truth))
+                except Exception as err:  # a user's checker may raise anything
+                    raise UserError(f"{path}: column {ground_truth_key!r} row {row}: the reward "
+                                    f"function cannot check {truth!r} ({type(err).__name__}: "
+                                    f"{err})") from None
             report.total += 1
             if len(ids) > max_prompt:
                 if overlong == "drop":

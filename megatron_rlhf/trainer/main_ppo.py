@@ -68,6 +68,7 @@ def setup(cfg: PPOConfig) -> PPORun:
     from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.orchestration.cluster import start_ray
+    from megatron_rlhf.rewards.registry import get_reward_fn
     from megatron_rlhf.trainer.ppo_worker import policy_files
 
     validate_ppo_config(cfg)
@@ -77,9 +78,11 @@ def setup(cfg: PPOConfig) -> PPORun:
     check_layout(cfg, world, layout.dp)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
+    checkers = [get_reward_fn(name) for name in {cfg.reward.fn, cfg.reward.oracle_fn} if name]
     limits = dict(tokenizer=tokenizer, prompt_key=cfg.data.prompt_key,
                   ground_truth_key=cfg.data.ground_truth_key, max_prompt=cfg.data.max_prompt_length,
-                  overlong=cfg.data.overlong, need_ground_truth=need_truth)
+                  overlong=cfg.data.overlong, need_ground_truth=need_truth,
+                  check_truth=lambda truth: [fn("", truth) for fn in checkers])
     train, report = load_prompts(cfg.data.train_files, **limits)
     val = load_prompts(cfg.data.val_files, **limits)[0] if cfg.data.val_files else []
     steps_per_epoch = len(train) // cfg.data.train_batch_size
@@ -175,11 +178,11 @@ def train_ppo(cfg: PPOConfig) -> dict[str, float]:
         run = setup(cfg)
         start(run)
         last = fit(run)
+        if not run.checkpoints() or run.checkpoints()[-1] != run.step:
+            run.save()  # before the final validation: a failure there loses no training
         if run.val and not (cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0):
             last = {**last, **run.validate(run.step)}
             run.record({"step": run.step, **{k: v for k, v in last.items() if k.startswith("val/")}})
-        if not run.checkpoints() or run.checkpoints()[-1] != run.step:
-            run.save()
         run.log(f"done: {run.step} steps; checkpoints in {run.ckpt_root}")
         return last
     finally:

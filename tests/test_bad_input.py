@@ -1,0 +1,122 @@
+"""Bad input found by probing the command-line tools: each is one clear error naming what and
+where, raised before any work that could be lost."""
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_rlhf.cli import main
+from megatron_rlhf.config.loader import load_config, validate_training_config
+from megatron_rlhf.config.schema import SFTConfig
+from megatron_rlhf.data.prompts import load_prompts
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.rewards.registry import get_reward_fn
+
+
+def _last_error(capsys, argv):
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return code, err[-1] if err else ""
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data: [1, 2\n", "not valid YAML"),
+    ("- a\n- b\n", "the top level must be a mapping"),
+])
+def test_broken_yaml_is_named(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=f"config file {path}: {message}"):
+        load_config(SFTConfig, str(path), [])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=nan", "optim.lr=nan must be positive"),
+    ("optim.weight_decay=-5", "optim.weight_decay=-5.0 must be >= 0"),
+    ("optim.clip_grad=-1", "optim.clip_grad=-1.0 must be >= 0"),
+])
+def test_trainer_optimizer_values_are_checked(override, message):
+    config = load_config(SFTConfig, None, ["model.path=x", "data.train_files=[a.parquet]", override])
+    with pytest.raises(UserError, match=message):
+        validate_training_config(config)
+
+
+def _prompts(tmp_path, truths, prompts=None):
+    path = tmp_path / "prompts.parquet"
+    prompts = prompts or ["What is 1 + 2?"] * len(truths)
+    pq.write_table(pa.table({"prompt": prompts, "ground_truth": truths}), path)
+    return path
+
+
+def _load(path, tokenizer, check=True):
+    fn = get_reward_fn("addition")
+    return load_prompts([str(path)], tokenizer, "prompt", "ground_truth", 64, "drop", True,
+                        (lambda truth: fn("", truth)) if check else None)
+
+
+def test_a_ground_truth_the_reward_cannot_read_stops_at_load(tmp_path, tiny_models):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_policy"])
+    path = _prompts(tmp_path, ["3", "two"])
+    with pytest.raises(UserError, match=r"column 'ground_truth' row 1: the reward function "
+                                        r"cannot check 'two' \(ValueError"):
+        _load(path, tokenizer)
+    # Numbers are fine as numbers (answers usually are).
+    prompts, _ = _load(_prompts(tmp_path, [3, 12]), tokenizer)
+    assert [p.ground_truth for p in prompts] == ["3", "12"]
+
+
+def test_a_whitespace_prompt_is_empty(tmp_path, tiny_models):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_policy"])
+    path = _prompts(tmp_path, ["3", "4"], prompts=["What is 1 + 2?", "   "])
+    with pytest.raises(UserError, match="column 'prompt' row 1 is null or empty"):
+        _load(path, tokenizer, check=False)
+
+
+def test_a_truncated_safetensors_file_is_named(tiny_models, tmp_path, capsys):
+    folder = tmp_path / "trunc"
+    shutil.copytree(tiny_models["qwen2_policy"], folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    code, err = _last_error(capsys, ["convert", "hf-to-mcore", "--hf-dir", str(folder),
+                                     "--out-dir", str(tmp_path / "out")])
+    assert code == 2 and err.startswith(f"error: {weights}: not a readable safetensors file")
+
+
+def test_a_damaged_megatron_checkpoint_is_named(tiny_models, tmp_path, capsys):
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(tiny_models["qwen2_policy"]),
+                 "--out-dir", str(mcore)]) == 0
+    for shard in (mcore / "model").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:64])
+    code, err = _last_error(capsys, ["convert", "mcore-to-hf", "--mcore-dir", str(mcore),
+                                     "--out-dir", str(tmp_path / "hf")])
+    assert code == 2 and err.startswith(f"error: checkpoint {mcore} cannot be read")
+    assert "may be incomplete or damaged" in err
+
+
+def test_score_rm_arguments_and_output_are_checked_before_scoring(tiny_models, tmp_path, capsys):
+    data = tmp_path / "prefs.parquet"
+    pq.write_table(pa.table({"prompt": ["a"], "chosen": ["b"], "rejected": ["c"]}), data)
+    mcore = tmp_path / "rm"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(tiny_models["qwen2_rm"]),
+                 "--out-dir", str(mcore)]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["score-rm", "--model-dir", str(mcore), "--data", str(data), "--output",
+              str(tmp_path / "o.parquet"), "--micro-batch-size", "0"])
+    assert exit_info.value.code == 2 and "'0' must be a positive integer" in capsys.readouterr().err
+    (tmp_path / "folder.parquet").mkdir()
+    code, err = _last_error(capsys, ["score-rm", "--model-dir", str(mcore), "--data", str(data),
+                                     "--output", str(tmp_path / "folder.parquet")])
+    assert code == 2 and "is a folder" in err
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "chosen": pa.array([], pa.string()),
+                             "rejected": pa.array([], pa.string())}), empty)
+    code, err = _last_error(capsys, ["score-rm", "--model-dir", str(mcore), "--data", str(empty),
+                                     "--output", str(tmp_path / "o.parquet")])
+    assert code == 2 and err == f"error: {empty}: no rows to score"
