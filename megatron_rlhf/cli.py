@@ -130,9 +130,18 @@ def _validate_before_launch(args) -> None:
     from megatron_rlhf.distributed.layout import ParallelLayout
 
     if args.job in TRAINERS:
-        from megatron_rlhf.config.loader import load_config, validate_training_config
+        from megatron_rlhf.checkpoint.model_ckpt import META_FILE
+        from megatron_rlhf.config.loader import batch_plan, load_config, validate_training_config
 
-        validate_training_config(load_config(TRAINERS[args.job][0](), args.config, args.overrides))
+        config = validate_training_config(load_config(TRAINERS[args.job][0](), args.config,
+                                                       args.overrides))
+        # The layout and the batch split too, so a bad one is one line here, not one per rank.
+        path = Path(config.model.path)
+        arch = (read_checkpoint_info(path).arch if (path / META_FILE).is_file()
+                else read_hf_arch(path))
+        layout = ParallelLayout(tp=config.parallel.tp, pp=config.parallel.pp).resolve(
+            args.nproc_per_node, arch.shape)
+        batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank, layout.dp)
         return
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
     if args.job == "convert":

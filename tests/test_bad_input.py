@@ -120,3 +120,16 @@ def test_score_rm_arguments_and_output_are_checked_before_scoring(tiny_models, t
     code, err = _last_error(capsys, ["score-rm", "--model-dir", str(mcore), "--data", str(empty),
                                      "--output", str(tmp_path / "o.parquet")])
     assert code == 2 and err == f"error: {empty}: no rows to score"
+
+
+@pytest.mark.parametrize("extra, nproc, message", [
+    (["parallel.tp=8"], "8", "parallel layout: "),
+    (["data.train_batch_size=6", "data.micro_batch_size_per_rank=2"], "4",
+     "data.train_batch_size=6 is not divisible by the data-parallel size 4"),
+])
+def test_trainer_layouts_fail_once_before_ranks_start(tiny_models, capsys, extra, nproc, message):
+    code, err = _last_error(capsys, ["sft", f"model.path={tiny_models['qwen2_policy']}",
+                                     "data.train_files=[unused.parquet]", *extra,
+                                     "--nproc-per-node", nproc])
+    assert code == 2 and err.startswith("error: ") and message in err
+    assert "rank" not in err
