@@ -133,3 +133,12 @@ def test_trainer_layouts_fail_once_before_ranks_start(tiny_models, capsys, extra
                                      "--nproc-per-node", nproc])
     assert code == 2 and err.startswith("error: ") and message in err
     assert "rank" not in err
+
+
+def test_an_unknown_message_role_is_named():
+    from megatron_rlhf.data.chat import as_messages
+
+    with pytest.raises(UserError, match="prompts.parquet: column 'prompt' row 3: unknown message "
+                                        "role 'bogus'"):
+        as_messages([{"role": "bogus", "content": "hi"}], "user",
+                    "prompts.parquet: column 'prompt' row 3")

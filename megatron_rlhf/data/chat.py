@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from megatron_rlhf.errors import UserError
 
+ROLES = ("system", "user", "assistant", "tool")
+
 
 def as_messages(value, role: str, where: str = "") -> list[dict]:
     """``value`` as a message list; :class:`UserError` naming ``where`` if it is neither form."""
@@ -21,6 +23,10 @@ def as_messages(value, role: str, where: str = "") -> list[dict]:
         for m in value)
     if not ok:
         raise UserError(f"{where}: expected a string or a list of {{role, content}} messages")
+    bad = [m["role"] for m in value if m["role"] not in ROLES]
+    if bad:
+        raise UserError(f"{where}: unknown message role {bad[0]!r} (expected one of "
+                        f"{', '.join(ROLES)})")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
