@@ -74,15 +74,16 @@ def batch_plan(train_batch_size: int, micro_batch_size_per_rank: int, dp: int) -
                      per_rank // micro_batch_size_per_rank)
 
 
-def _positive(name: str, value) -> None:
-    if not value > 0 or not math.isfinite(value):  # NaN compares false
+def check_positive(name: str, value) -> None:
+    """``value`` at config key ``name`` is a finite number > 0 (None and NaN are not)."""
+    if value is None or not value > 0 or not math.isfinite(value):  # NaN compares false
         raise UserError(f"config: {name}={value} must be positive")
 
 
 def check_optim(prefix: str, optim) -> None:
     """An ``OptimConfig`` at ``prefix`` (``optim``, ``actor.optim``, ...): finite, in range."""
-    _positive(f"{prefix}.lr", optim.lr)
-    _positive(f"{prefix}.eps", optim.eps)
+    check_positive(f"{prefix}.lr", optim.lr)
+    check_positive(f"{prefix}.eps", optim.eps)
     for name in ("min_lr", "weight_decay", "clip_grad"):
         value = getattr(optim, name)
         if not (value >= 0 and math.isfinite(value)):
@@ -112,11 +113,11 @@ def validate_training_config(config):
         raise UserError("config: data.train_files is empty")
     for name in ("max_prompt_length", "max_response_length", "train_batch_size",
                  "micro_batch_size_per_rank"):
-        _positive(f"data.{name}", getattr(data, name))
+        check_positive(f"data.{name}", getattr(data, name))
     check_optim("optim", optim)
-    _positive("trainer.total_epochs", trainer.total_epochs)
-    _positive("trainer.keep_last_n", trainer.keep_last_n)
-    _positive("trainer.log_every_steps", trainer.log_every_steps)
+    check_positive("trainer.total_epochs", trainer.total_epochs)
+    check_positive("trainer.keep_last_n", trainer.keep_last_n)
+    check_positive("trainer.log_every_steps", trainer.log_every_steps)
     for name in ("save_every_steps", "eval_every_steps", "max_steps"):
         if getattr(trainer, name) < 0:
             raise UserError(f"config: trainer.{name}={getattr(trainer, name)} must be >= 0 (0: off)")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
-from megatron_rlhf.config.loader import check_optim
+from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 
@@ -13,11 +11,6 @@ from megatron_rlhf.errors import UserError
 def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise UserError(f"config: {name}={value!r} must be one of {', '.join(map(str, allowed))}")
-
-
-def _positive(name: str, value) -> None:
-    if value is None or not value > 0 or not math.isfinite(value):  # NaN compares false
-        raise UserError(f"config: {name}={value} must be positive")
 
 
 def uses_reference(cfg: PPOConfig) -> bool:
@@ -53,7 +46,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("trainer.n_gpus_per_node", t.n_gpus_per_node), ("trainer.nnodes", t.nnodes),
                         ("trainer.log_every_steps", t.log_every_steps),
                         ("trainer.keep_last_n", t.keep_last_n)):
-        _positive(name, value)
+        check_positive(name, value)
     _check_ranges(cfg)
     _choice("data.overlong", d.overlong, ("drop", "truncate"))
     _choice("algorithm.adv_estimator", alg.adv_estimator, ("gae", "grpo", "rloo"))
@@ -89,10 +82,10 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         if getattr(t, name) < 0:
             raise UserError(f"config: trainer.{name}={getattr(t, name)} must be >= 0 (0: off)")
     if cfg.critic.ppo_epochs is not None:
-        _positive("critic.ppo_epochs", cfg.critic.ppo_epochs)
+        check_positive("critic.ppo_epochs", cfg.critic.ppo_epochs)
     if alg.kl_ctrl.type == "adaptive":
-        _positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
-        _positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
+        check_positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
+        check_positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
     if r.backend == "sglang" and r.tp > 1:
         # Ray shows each worker one GPU; an SGLang engine spanning several needs them all.
         raise UserError(f"config: rollout.tp={r.tp} with rollout.backend=sglang is not supported "
@@ -114,9 +107,9 @@ def _check_ranges(cfg: PPOConfig) -> None:
     check_optim("critic.optim", cfg.critic.optim)
     for name in ("clip_ratio_low", "clip_ratio_high"):
         if getattr(a, name) is not None:
-            _positive(f"actor.{name}", getattr(a, name))
+            check_positive(f"actor.{name}", getattr(a, name))
     if cfg.resource_pool.critic == "separate":
-        _positive("resource_pool.critic_world_size", cfg.resource_pool.critic_world_size)
+        check_positive("resource_pool.critic_world_size", cfg.resource_pool.critic_world_size)
     for name in ("temperature", "val_temperature"):
         if not getattr(r, name) >= 0:
             raise UserError(f"config: rollout.{name}={getattr(r, name)} must be >= 0")
