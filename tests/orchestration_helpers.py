@@ -1,6 +1,7 @@
 """Worker objects for tests/test_orchestration.py (importable by Ray workers)."""
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,14 @@ class Echo:
         if dist.get_rank() == victim:
             os._exit(13)
         return self.all_reduce(0.0)
+
+    def break_then_die(self, victim: int) -> None:
+        """Peers report a broken collective at once; ``victim`` exits a moment later, as a
+        rank that crashes looks to a driver that hears from its peers first."""
+        if dist.get_rank() == victim:
+            time.sleep(1.0)
+            os._exit(13)
+        raise RuntimeError("Connection reset by peer")
 
     def fail(self, victim: int) -> None:
         if dist.get_rank() == victim:

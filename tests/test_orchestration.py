@@ -35,6 +35,14 @@ def test_dead_worker_fails_fast_with_its_rank(ray_cluster):
     assert time.time() - start < 60  # rank 0 is stuck in all_reduce; the driver is not
 
 
+def test_the_rank_that_died_is_named_not_the_peers_it_broke(ray_cluster):
+    group = WorkerGroup("crash", 2, use_gpu=False)
+    group.build(Echo, "d")
+    died_first = r"rank 1 failed in break_then_die: .*\(rank\(s\) 0 failed too\)"
+    with pytest.raises(WorkerFailed, match=died_first):
+        group.call("break_then_die", 1)
+
+
 def test_worker_exception_names_rank_and_cause(ray_cluster):
     group = WorkerGroup("raisers", 2, use_gpu=False)
     group.build(Echo, "c")

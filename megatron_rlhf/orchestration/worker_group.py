@@ -105,14 +105,15 @@ class WorkerGroup:
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except Exception as err:  # RayActorError (died) or RayTaskError (raised)
-                    rank = refs.index(ref)
-                    self.shutdown()
-                    raise WorkerFailed(f"worker group {self.name!r} rank {rank} failed in "
-                                       f"{what}: {_cause(err)}") from None
+            failed = _failures(done, refs)
+            if failed:
+                # A rank that dies takes its peers' collectives down with it, and a peer's
+                # "connection reset" can reach us before Ray reports the death: wait briefly
+                # so the rank that started it is the one named.
+                late, _ = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
+                failed += _failures(late, refs)
+                self.shutdown()
+                raise WorkerFailed(_describe(self.name, what, failed))
         return ray.get(refs)
 
     def pids(self) -> list[int]:
@@ -130,6 +131,35 @@ class WorkerGroup:
         except Exception:  # already gone with the cluster
             pass
         time.sleep(0.1)
+
+
+_GRACE_S = 5.0
+
+
+def _failures(done: list, refs: list) -> list[tuple[int, Exception]]:
+    """(rank, error) for each finished call in ``done`` that raised or whose rank died."""
+    import ray
+
+    failed = []
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as err:  # RayActorError (died) or RayTaskError (raised)
+            failed.append((refs.index(ref), err))
+    return failed
+
+
+def _describe(group: str, what: str, failed: list[tuple[int, Exception]]) -> str:
+    """Names the rank that died if one did (its peers only saw their collectives break), else
+    the first to raise; the other failed ranks follow."""
+    from ray.exceptions import RayActorError
+
+    first = next((f for f in failed if isinstance(f[1], RayActorError)), failed[0])
+    text = f"worker group {group!r} rank {first[0]} failed in {what}: {_cause(first[1])}"
+    others = sorted(rank for rank, _ in failed if rank != first[0])
+    if others:
+        text += f" (rank(s) {', '.join(map(str, others))} failed too)"
+    return text
 
 
 def _large(value) -> bool:
