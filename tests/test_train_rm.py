@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,10 +87,17 @@ def _final_weights(checkpoint, tmp_path):
     return hf, load_file(hf / "model.safetensors")
 
 
-def test_kill_9_and_resume_reproduces_uninterrupted_run(workspace, tmp_path):
+@pytest.fixture(scope="module")
+def straight(workspace):
+    """12 steps saved every 3 (steps 9 and 12 kept)."""
+    out = workspace / "runs" / "straight"
+    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_kill_9_and_resume_reproduces_uninterrupted_run(workspace, straight, tmp_path):
     steps = 12
-    straight = workspace / "runs" / "straight"
-    assert run_cli(overrides(workspace, straight, steps, "trainer.save_every_steps=3")).returncode == 0
     killed = workspace / "runs" / "killed"
     kill_at = random.Random(os.getpid()).randint(4, 10)
     command = [sys.executable, "-m", "megatron_rlhf.cli", "train-rm", "--config",
@@ -188,6 +196,59 @@ def test_nan_loss_stops_without_touching_checkpoints(workspace, tmp_path):
 
     for name in saved:
         read_checkpoint_info(out / "checkpoints" / name)  # each one complete and readable
+
+
+def _damage(checkpoint):
+    for shard in (checkpoint / "model").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:64])
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(workspace, straight, tmp_path):
+    out = workspace / "runs" / "damaged"
+    shutil.copytree(straight, out)
+    _damage(out / "checkpoints" / "step_00000012")
+    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step_00000012 cannot be read" in proc.stdout
+    assert "resumed from" in proc.stdout and "step 9)" in proc.stdout
+    assert losses(out) == losses(straight)  # steps 10-12 redone exactly
+    _, a = _final_weights(straight / "checkpoints" / "step_00000012", tmp_path)
+    _, b = _final_weights(out / "checkpoints" / "step_00000012", tmp_path)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # With nothing readable left, the run stops rather than silently starting over.
+    for checkpoint in (out / "checkpoints").iterdir():
+        _damage(checkpoint)
+    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"))
+    assert proc.returncode == 2 and "no checkpoint under" in proc.stderr
+    assert losses(out) == losses(straight)
+
+
+def test_bfloat16_saves_and_resumes_exactly(workspace):
+    """bf16 parameters with fp32 main weights in the optimizer: its state saves and resumes
+    (the norms used to stay fp32 without Transformer Engine, and the save failed)."""
+    out = workspace / "runs" / "bf16"
+    args = overrides(workspace, out, 6, "trainer.save_every_steps=3", "model.dtype=bfloat16")
+    proc = run_cli(args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    straight = losses(out)
+    meta = json.loads((out / "checkpoints" / "step_00000006" / "megatron_rlhf.json").read_text())
+    assert meta["dtype"] == "bfloat16"
+    shutil.rmtree(out / "checkpoints" / "step_00000006")
+    (out / "final_metrics.json").unlink()
+    proc = run_cli(args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step 3)" in proc.stdout and losses(out) == straight
+
+
+def test_a_run_saved_but_not_validated_is_validated_on_rerun(workspace, straight):
+    out = workspace / "runs" / "unvalidated"
+    shutil.copytree(straight, out)
+    final = json.loads((out / "final_metrics.json").read_text())
+    (out / "final_metrics.json").unlink()  # as if the final validation had crashed
+    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(losses(out)) == 12 and "resumed from" in proc.stdout  # no step trained again
+    assert json.loads((out / "final_metrics.json").read_text()) == final
 
 
 def test_resume_disable_refuses_an_old_run_folder(workspace, reference, capsys):
