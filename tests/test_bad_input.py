@@ -9,6 +9,7 @@ import pytest
 
 from megatron_rlhf.cli import main
 from megatron_rlhf.config.loader import load_config, validate_training_config
+from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.config.schema import SFTConfig
 from megatron_rlhf.data.prompts import load_prompts
 from megatron_rlhf.errors import UserError
@@ -32,8 +33,26 @@ def test_broken_yaml_is_named(tmp_path, text, message):
         load_config(SFTConfig, str(path), [])
 
 
+@pytest.mark.parametrize("schema, override", [
+    (SFTConfig, "optim.lr=nan"), (PPOConfig, "reward.fn_weight=nan"),
+    (PPOConfig, "actor.optim.betas=[0.9,inf]"), (PPOConfig, "algorithm.kl_ctrl.kl_coef=-inf"),
+])
+def test_non_finite_values_are_named(schema, override):
+    key, value = override.split("=")
+    value = value.strip("[]").split(",")[-1]
+    with pytest.raises(UserError, match=rf"config: {key}(\[1\])?={value} must be a finite number"):
+        required = ["model.path=x"] if schema is SFTConfig else ["actor.model_path=x"]
+        load_config(schema, None, [*required, "data.train_files=[a.parquet]", override])
+
+
+def test_a_single_file_is_a_list_of_one(tmp_path):
+    path = tmp_path / "sft.yaml"
+    path.write_text("data:\n  val_files: b.parquet\n")
+    config = load_config(SFTConfig, str(path), ["model.path=x", "data.train_files=a.parquet"])
+    assert config.data.train_files == ["a.parquet"] and config.data.val_files == ["b.parquet"]
+
+
 @pytest.mark.parametrize("override, message", [
-    ("optim.lr=nan", "optim.lr=nan must be positive"),
     ("optim.weight_decay=-5", "optim.weight_decay=-5.0 must be >= 0"),
     ("optim.clip_grad=-1", "optim.clip_grad=-1.0 must be >= 0"),
 ])
@@ -142,3 +161,14 @@ def test_an_unknown_message_role_is_named():
                                         "role 'bogus'"):
         as_messages([{"role": "bogus", "content": "hi"}], "user",
                     "prompts.parquet: column 'prompt' row 3")
+
+
+def test_a_prompt_without_a_user_message_is_named():
+    from megatron_rlhf.data.chat import as_messages
+
+    with pytest.raises(UserError, match=r"row 3: a prompt needs a user message \(has system, "
+                                        r"assistant\)"):
+        as_messages([{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "4"}],
+                    "user", "prompts.parquet: column 'prompt' row 3")
+    # A response may well be the assistant's turn alone.
+    assert as_messages([{"role": "assistant", "content": "4"}], "assistant", "x")[0]["role"] == "assistant"

@@ -77,6 +77,8 @@ def test_unreadable_file(tokenizer, tmp_path):
         load_pairs([str(path)], tokenizer, 64, 64, "truncate")
     with pytest.raises(UserError, match="file not found"):
         load_pairs([str(tmp_path / "absent.parquet")], tokenizer, 64, 64, "truncate")
+    with pytest.raises(UserError, match=f"{tmp_path}: is a folder"):
+        load_pairs([str(tmp_path)], tokenizer, 64, 64, "truncate")
 
 
 def test_hh_rlhf_conversion():

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype_name, read_sharded
+from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.engine import Trainable
 
 PREFIX = "step_"
@@ -93,11 +94,16 @@ def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainab
 def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
     path = Path(path)
+    try:  # read first: a bad file must fail before any tensor is overwritten
+        state = json.loads((path / "trainer_state.json").read_text())
+        scheduler = state.pop("scheduler")
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"checkpoint {path}: trainer_state.json cannot be read "
+                        f"({type(err).__name__}: {err})") from None
     loaded = read_sharded(_sharded_state(trainable, loading=True), path)
     trainable.module.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
-    state = json.loads((path / "trainer_state.json").read_text())
-    trainable.scheduler.load_state_dict(state.pop("scheduler"))
+    trainable.scheduler.load_state_dict(scheduler)
     rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng_file.is_file():  # absent when resuming on a different world size
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,19 +21,47 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
     try:
         merged = OmegaConf.structured(schema)
         if yaml_path is not None:
-            merged = OmegaConf.merge(merged, _read_yaml(yaml_path))
+            merged = OmegaConf.merge(merged, _as_lists(merged, _read_yaml(yaml_path)))
         bad = [item for item in overrides if "=" not in item]
         if bad:
             raise UserError(f"override {bad[0]!r} is not of the form key=value")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(merged, _as_lists(merged, OmegaConf.from_dotlist(overrides)))
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise UserError(f"config: missing required value for {missing[0]}")
-        return OmegaConf.to_object(merged)
+        config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
         where = f"{key}: " if key else ""
         raise UserError(f"config: {where}{str(err).splitlines()[0]}") from None
+    _check_finite(config, "")
+    return config
+
+
+def _as_lists(schema: DictConfig, given: DictConfig) -> DictConfig:
+    """A single value where the schema has a list (``data.train_files=a.parquet``) is a list of
+    one, as verl reads it, instead of OmegaConf's type error."""
+    for key in list(given.keys()):
+        node, value = schema.get(key), given._get_node(key)
+        if OmegaConf.is_list(node) and not OmegaConf.is_list(value) and not OmegaConf.is_dict(value):
+            given[key] = [given[key]]
+        elif OmegaConf.is_dict(node) and OmegaConf.is_dict(value):
+            _as_lists(node, value)
+    return given
+
+
+def _check_finite(section, prefix: str) -> None:
+    """No NaN or infinity anywhere in the tree: no key means "off" by either."""
+    for item in fields(section):
+        value, name = getattr(section, item.name), f"{prefix}{item.name}"
+        if is_dataclass(value):
+            _check_finite(value, f"{name}.")
+            continue
+        numbered = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for index, number in numbered:
+            if isinstance(number, float) and not math.isfinite(number):
+                where = name if index is None else f"{name}[{index}]"
+                raise UserError(f"config: {where}={number} must be a finite number")
 
 
 def _read_yaml(path: str):

@@ -27,6 +27,9 @@ def as_messages(value, role: str, where: str = "") -> list[dict]:
     if bad:
         raise UserError(f"{where}: unknown message role {bad[0]!r} (expected one of "
                         f"{', '.join(ROLES)})")
+    if role == "user" and not any(m["role"] == "user" for m in value):
+        raise UserError(f"{where}: a prompt needs a user message (has "
+                        f"{', '.join(m['role'] for m in value) or 'none'})")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

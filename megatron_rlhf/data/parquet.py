@@ -14,6 +14,8 @@ from megatron_rlhf.errors import UserError
 def read_table(path: str | os.PathLike, required: tuple[str, ...]) -> pa.Table:
     """Read ``path`` and check that every ``required`` column exists with no null or empty value."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a folder; data files are Parquet files, listed one by one")
     if not path.is_file():
         raise UserError(f"{path}: file not found")
     try:

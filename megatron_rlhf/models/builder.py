@@ -82,4 +82,10 @@ def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = to
     )
     if arch.kind == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size, dtype, config.sequence_parallel, groups.tp)
+    # Without Transformer Engine or apex, megatron's norms are torch's and ignore params_dtype:
+    # a bf16 model kept fp32 norm weights, which megatron's mixed-precision optimizer then
+    # misnumbered when saving its state (as Float16Module would, every parameter gets the dtype).
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
     return model.to(device())

@@ -59,13 +59,13 @@ def rank0_decides(value):
     return box[0]
 
 
-def _previous_run(run: Run, metrics_file: Path) -> Path | None:
-    """The checkpoint to resume from, or None; refuses to mix a new run into an old folder."""
+def _previous_runs(run: Run, metrics_file: Path) -> list[Path]:
+    """Checkpoints to resume from, newest first; refuses to mix a new run into an old folder."""
     found = complete_checkpoints(Path(run.trainer.output_dir) / "checkpoints")
     if run.trainer.resume == "disable" and (found or metrics_file.is_file()):
         raise UserError(f"{run.trainer.output_dir} already holds a run; with "
                         "trainer.resume=disable choose an empty trainer.output_dir")
-    return found[-1] if found and run.trainer.resume == "auto" else None
+    return found[::-1] if run.trainer.resume == "auto" else []
 
 
 def trim_metrics_file(metrics_file: Path, step: int) -> None:
@@ -81,18 +81,33 @@ def trim_metrics_file(metrics_file: Path, step: int) -> None:
 
 
 def _resume(run: Run, metrics_file: Path) -> int:
-    checkpoint = rank0_decides(_previous_run(run, metrics_file) if dist.get_rank() == 0 else None)
-    if checkpoint is None:
-        return 0
-    step = load_train_checkpoint(checkpoint, run.trainable)["step"]
-    run.log(f"resumed from {checkpoint} (step {step})")
-    if dist.get_rank() == 0 and metrics_file.is_file():
-        trim_metrics_file(metrics_file, step)
-    return step
+    candidates = rank0_decides(_previous_runs(run, metrics_file) if dist.get_rank() == 0 else None)
+    for checkpoint in candidates:
+        try:  # every rank reads the same files, so every rank takes the same branch
+            step = load_train_checkpoint(checkpoint, run.trainable)["step"]
+        except UserError as err:
+            # A damaged newest checkpoint (a disk filled mid-copy) should not cost the run:
+            # the one before it resumes with a few steps redone.
+            run.log(f"warning: {err}; trying the checkpoint before it")
+            continue
+        run.log(f"resumed from {checkpoint} (step {step})")
+        if dist.get_rank() == 0 and metrics_file.is_file():
+            trim_metrics_file(metrics_file, step)
+        return step
+    if candidates:
+        raise UserError(f"no checkpoint under {candidates[0].parent} can be read; move them away "
+                        "to start over, or point trainer.output_dir elsewhere")
+    return 0
 
 
 def _finish(run: Run, step: int, last: dict, logger: MetricsLogger) -> dict:
+    """The final checkpoint, then the final validation: a crash in the latter loses no training."""
     out = Path(run.trainer.output_dir)
+    found = complete_checkpoints(out / "checkpoints") if dist.get_rank() == 0 else []
+    saved = rank0_decides(bool(found) and found[-1].name.endswith(f"{step:08d}"))
+    final = (found[-1] if found else None) if saved else run.save(step)
+    run.log(f"final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
+            f"--mcore-dir {final} --out-dir HF_DIR)")
     if run.evaluate is not None:
         last.update(run.evaluate())
         logger.scalars(step, last)
@@ -100,12 +115,15 @@ def _finish(run: Run, step: int, last: dict, logger: MetricsLogger) -> dict:
                                            for k, v in last.items() if k.startswith("val/")))
     if dist.get_rank() == 0:
         (out / "final_metrics.json").write_text(json.dumps({"step": step, **last}, indent=2))
-    found = complete_checkpoints(out / "checkpoints") if dist.get_rank() == 0 else []
-    saved = rank0_decides(bool(found) and found[-1].name.endswith(f"{step:08d}"))
-    final = (found[-1] if found else None) if saved else run.save(step)
-    run.log(f"final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
-            f"--mcore-dir {final} --out-dir HF_DIR)")
     return last
+
+
+def _last_logged(metrics_file: Path) -> dict:
+    """The newest step's metrics (rank 0; the others never write them)."""
+    if dist.get_rank() != 0 or not metrics_file.is_file():
+        return {}
+    lines = metrics_file.read_text().splitlines()
+    return {k: v for k, v in json.loads(lines[-1]).items() if k != "step"} if lines else {}
 
 
 def fit(run: Run) -> dict[str, float]:
@@ -116,12 +134,13 @@ def fit(run: Run) -> dict[str, float]:
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     step = _resume(run, metrics_file)
-    if step >= run.total_steps:
+    finished = rank0_decides((out / "final_metrics.json").is_file())
+    if step >= run.total_steps and finished:
         run.log(f"{out} already finished {step} steps; nothing to do")
         return {}
     logger = MetricsLogger(trainer.output_dir, trainer.logger, run.total_steps,
                            dist.get_rank() == 0, start_step=step)
-    last = {}
+    last = _last_logged(metrics_file)  # a run whose final validation failed has only that left
     while step < run.total_steps:
         result = train_step(run.trainable, run.micro_batches(step), run.loss)
         sums = reduce_metrics(result.metrics, run.groups, run.metric_keys)
