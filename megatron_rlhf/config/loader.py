@@ -43,7 +43,7 @@ def _as_lists(schema: DictConfig, given: DictConfig) -> DictConfig:
     one, as verl reads it, instead of OmegaConf's type error."""
     for key in list(given.keys()):
         node, value = schema.get(key), given._get_node(key)
-        if OmegaConf.is_list(node) and not OmegaConf.is_list(value) and not OmegaConf.is_dict(value):
+        if OmegaConf.is_list(node) and isinstance(value._value(), (str, int, float)):
             given[key] = [given[key]]
         elif OmegaConf.is_dict(node) and OmegaConf.is_dict(value):
             _as_lists(node, value)
