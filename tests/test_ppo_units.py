@@ -137,7 +137,7 @@ def _config(*overrides):
     (["rollout.top_k=-2"], "rollout.top_k=-2"),
     (["rollout.backend=sglang", "rollout.tp=2"], "rollout.tp=2 with rollout.backend=sglang"),
     (["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.critic_warmup=5"], "critic_warmup=5"),
-    (["actor.optim.lr=nan"], "actor.optim.lr=nan must be positive"),
+    (["actor.optim.lr=nan"], "actor.optim.lr=nan must be a finite number"),
     (["critic.optim.weight_decay=-5"], "critic.optim.weight_decay=-5.0 must be >= 0"),
     (["actor.optim.betas=[0.9,1.5]"], "actor.optim.betas=[0.9, 1.5]"),
     (["rollout.top_p=0"], "rollout.top_p=0.0 must be in (0, 1]"),

@@ -147,3 +147,11 @@ def test_converter_keeps_margins_when_the_first_row_has_none(tmp_path):
     subprocess.run([sys.executable, str(script), "--layout", "ultrafeedback", "--input", str(source),
                     "--output", str(tmp_path / "out.parquet")], check=True, capture_output=True)
     assert pq.read_table(tmp_path / "out.parquet").column("margin").to_pylist() == [None, 4.0]
+
+
+def test_a_converted_pair_needs_a_user_turn():
+    """The loader refuses prompts without a user message, so the converter skips such rows
+    instead of writing a file the trainer would reject."""
+    odd = "\n\nAssistant: hello!\n\nAssistant: "
+    rows, skipped = convert_rows([{"chosen": odd + "4", "rejected": odd + "5"}], "hh-rlhf")
+    assert rows == [] and skipped == [(0, "no user turn before the final reply")]

@@ -207,11 +207,14 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(workspace, stra
     out = workspace / "runs" / "damaged"
     shutil.copytree(straight, out)
     _damage(out / "checkpoints" / "step_00000012")
-    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"))
+    # Saving every 5 steps, step 12 is written only as the final checkpoint, over the damaged one.
+    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=5"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "step_00000012 cannot be read" in proc.stdout
     assert "resumed from" in proc.stdout and "step 9)" in proc.stdout
     assert losses(out) == losses(straight)  # steps 10-12 redone exactly
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000010",
+                                                                      "step_00000012"]
     _, a = _final_weights(straight / "checkpoints" / "step_00000012", tmp_path)
     _, b = _final_weights(out / "checkpoints" / "step_00000012", tmp_path)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -221,6 +224,30 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(workspace, stra
     proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"))
     assert proc.returncode == 2 and "no checkpoint under" in proc.stderr
     assert losses(out) == losses(straight)
+
+
+def test_ranks_agree_to_skip_a_checkpoint_only_one_of_them_cannot_read(workspace, straight):
+    """Rank 0's RNG file is damaged; rank 1 has none (the run was saved by one rank). Both must
+    fall back together, or rank 1 would wait in the newest checkpoint's collective load."""
+    out = workspace / "runs" / "one_rank_damaged"
+    shutil.copytree(straight, out)
+    (out / "checkpoints" / "step_00000012" / "rng" / "rank_00000.pt").write_bytes(b"junk")
+    (out / "final_metrics.json").unlink()
+    proc = run_cli(overrides(workspace, out, 12, "trainer.save_every_steps=3"), nproc=2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "trainer state cannot be read" in proc.stdout and "step 9)" in proc.stdout
+    assert len(losses(out)) == 12
+
+
+def test_a_fresh_start_drops_the_lines_of_a_run_killed_before_its_first_save(workspace, straight):
+    out = workspace / "runs" / "unsaved"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "checkpoints")
+    (out / "final_metrics.json").unlink()
+    proc = run_cli(overrides(workspace, out, 2, "trainer.save_every_steps=0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]  # not 1..12, then 1, 2
 
 
 def test_bfloat16_saves_and_resumes_exactly(workspace):

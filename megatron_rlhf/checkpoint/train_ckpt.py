@@ -91,20 +91,33 @@ def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainab
     return out
 
 
-def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable) -> dict:
-    """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+def read_checkpoint_files(path: str | os.PathLike) -> tuple[dict, dict | None]:
+    """``trainer_state.json`` and this rank's RNG state (None when saved by another world
+    size), read before anything collective so that a rank failing here can be agreed on."""
     path = Path(path)
-    try:  # read first: a bad file must fail before any tensor is overwritten
+    try:
         state = json.loads((path / "trainer_state.json").read_text())
-        scheduler = state.pop("scheduler")
-    except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"checkpoint {path}: trainer_state.json cannot be read "
+        if not isinstance(state, dict) or not {"step", "scheduler"} <= state.keys():
+            raise ValueError("no 'step' and 'scheduler' entries")
+        rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+    except Exception as err:  # OSError, JSON, unpickling: all mean "damaged"
+        raise UserError(f"checkpoint {path}: trainer state cannot be read "
                         f"({type(err).__name__}: {err})") from None
+    return state, rng
+
+
+def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable,
+                          files: tuple[dict, dict | None] | None = None) -> dict:
+    """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state.
+    ``files``: :func:`read_checkpoint_files`' result, if already read."""
+    path = Path(path)
+    state, rng = files or read_checkpoint_files(path)
+    state = dict(state)
     loaded = read_sharded(_sharded_state(trainable, loading=True), path)
     trainable.module.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
-    trainable.scheduler.load_state_dict(scheduler)
-    rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rng_file.is_file():  # absent when resuming on a different world size
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+    trainable.scheduler.load_state_dict(state.pop("scheduler"))
+    if rng is not None:
+        _set_rng_state(rng)
     return state

@@ -37,8 +37,8 @@ def convert_pair(chosen_messages: list[dict], rejected_messages: list[dict]) -> 
     prompt_r, rejected = _split_last_reply(rejected_messages)
     if prompt != prompt_r:
         raise ValueError("chosen and rejected conversations differ before the final reply")
-    if not prompt:
-        raise ValueError("no prompt turns before the final reply")
+    if not any(m["role"] == "user" for m in prompt):
+        raise ValueError("no user turn before the final reply")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 

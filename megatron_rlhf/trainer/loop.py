@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints, load_train_checkpoint
+from megatron_rlhf.checkpoint.train_ckpt import (complete_checkpoints, load_train_checkpoint,
+                                                  read_checkpoint_files)
 from megatron_rlhf.config.schema import TrainerConfig
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
@@ -59,13 +60,20 @@ def rank0_decides(value):
     return box[0]
 
 
-def _previous_runs(run: Run, metrics_file: Path) -> list[Path]:
-    """Checkpoints to resume from, newest first; refuses to mix a new run into an old folder."""
+def _previous_runs(run: Run, metrics_file: Path) -> list[Path] | str:
+    """Checkpoints to resume from, newest first, or why this folder must not be used."""
     found = complete_checkpoints(Path(run.trainer.output_dir) / "checkpoints")
     if run.trainer.resume == "disable" and (found or metrics_file.is_file()):
-        raise UserError(f"{run.trainer.output_dir} already holds a run; with "
-                        "trainer.resume=disable choose an empty trainer.output_dir")
+        return (f"{run.trainer.output_dir} already holds a run; with trainer.resume=disable "
+                "choose an empty trainer.output_dir")
     return found[::-1] if run.trainer.resume == "auto" else []
+
+
+def _agreed_error(error: Exception | None) -> str | None:
+    """The first rank's error, on every rank: all of them fall back together, or none."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else str(error))
+    return next((e for e in errors if e is not None), None)
 
 
 def trim_metrics_file(metrics_file: Path, step: int) -> None:
@@ -80,32 +88,59 @@ def trim_metrics_file(metrics_file: Path, step: int) -> None:
     metrics_file.write_text("".join(line + "\n" for line in kept))
 
 
-def _resume(run: Run, metrics_file: Path) -> int:
+def _load_agreed(checkpoint: Path, run: Run) -> tuple[int | None, str | None]:
+    """(step, None) when every rank loaded ``checkpoint``, else (None, the first rank's error).
+    Each stage ends in an agreement, so no rank enters a collective the others skip."""
+    files, error = None, None
+    try:
+        files = read_checkpoint_files(checkpoint)
+    except UserError as err:
+        error = err
+    if (error := _agreed_error(error)) is not None:
+        return None, error
+    step = None
+    try:
+        step = load_train_checkpoint(checkpoint, run.trainable, files)["step"]
+    except UserError as err:
+        error = err
+    error = _agreed_error(error)
+    return (step, None) if error is None else (None, error)
+
+
+def _resume(run: Run, metrics_file: Path) -> tuple[int, Path | None]:
+    """(step, checkpoint) to continue from; (0, None) for a fresh start."""
     candidates = rank0_decides(_previous_runs(run, metrics_file) if dist.get_rank() == 0 else None)
+    if isinstance(candidates, str):
+        raise UserError(candidates)
+    newest_error = None
     for checkpoint in candidates:
-        try:  # every rank reads the same files, so every rank takes the same branch
-            step = load_train_checkpoint(checkpoint, run.trainable)["step"]
-        except UserError as err:
+        step, error = _load_agreed(checkpoint, run)
+        if error is not None:
             # A damaged newest checkpoint (a disk filled mid-copy) should not cost the run:
             # the one before it resumes with a few steps redone.
-            run.log(f"warning: {err}; trying the checkpoint before it")
+            run.log(f"warning: {error}; trying the checkpoint before it")
+            newest_error = newest_error or error
             continue
         run.log(f"resumed from {checkpoint} (step {step})")
         if dist.get_rank() == 0 and metrics_file.is_file():
             trim_metrics_file(metrics_file, step)
-        return step
+        return step, checkpoint
     if candidates:
-        raise UserError(f"no checkpoint under {candidates[0].parent} can be read; move them away "
-                        "to start over, or point trainer.output_dir elsewhere")
-    return 0
+        raise UserError(f"no checkpoint under {candidates[0].parent} can be read (newest: "
+                        f"{newest_error}); move them away to start over, or point "
+                        "trainer.output_dir elsewhere")
+    if dist.get_rank() == 0 and metrics_file.is_file():
+        trim_metrics_file(metrics_file, 0)  # lines of a run killed before its first save
+    return 0, None
 
 
-def _finish(run: Run, step: int, last: dict, logger: MetricsLogger) -> dict:
-    """The final checkpoint, then the final validation: a crash in the latter loses no training."""
+def _finish(run: Run, step: int, saved: tuple[int, Path | None], last: dict,
+            logger: MetricsLogger) -> dict:
+    """The final checkpoint, then the final validation: a crash in the latter loses no training.
+    ``saved``: the newest checkpoint this process wrote or read, and its step; a folder's name
+    alone is no proof (it may be the damaged one a resume skipped)."""
     out = Path(run.trainer.output_dir)
-    found = complete_checkpoints(out / "checkpoints") if dist.get_rank() == 0 else []
-    saved = rank0_decides(bool(found) and found[-1].name.endswith(f"{step:08d}"))
-    final = (found[-1] if found else None) if saved else run.save(step)
+    final = saved[1] if saved[0] == step and saved[1] is not None else run.save(step)
     run.log(f"final checkpoint {final} (export: megatron-rlhf convert mcore-to-hf "
             f"--mcore-dir {final} --out-dir HF_DIR)")
     if run.evaluate is not None:
@@ -119,7 +154,8 @@ def _finish(run: Run, step: int, last: dict, logger: MetricsLogger) -> dict:
 
 
 def _last_logged(metrics_file: Path) -> dict:
-    """The newest step's metrics (rank 0; the others never write them)."""
+    """The newest step's metrics (rank 0; the others never write them). The file was trimmed
+    on resume, so every line parses."""
     if dist.get_rank() != 0 or not metrics_file.is_file():
         return {}
     lines = metrics_file.read_text().splitlines()
@@ -133,14 +169,16 @@ def fit(run: Run) -> dict[str, float]:
     metrics_file = out / "metrics.jsonl"
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-    step = _resume(run, metrics_file)
+    step, checkpoint = _resume(run, metrics_file)
+    saved = (step, checkpoint)
     finished = rank0_decides((out / "final_metrics.json").is_file())
     if step >= run.total_steps and finished:
         run.log(f"{out} already finished {step} steps; nothing to do")
         return {}
     logger = MetricsLogger(trainer.output_dir, trainer.logger, run.total_steps,
                            dist.get_rank() == 0, start_step=step)
-    last = _last_logged(metrics_file)  # a run whose final validation failed has only that left
+    # A run whose final validation failed has only that left to do, with the metrics it logged.
+    last = _last_logged(metrics_file) if step >= run.total_steps else {}
     while step < run.total_steps:
         result = train_step(run.trainable, run.micro_batches(step), run.loss)
         sums = reduce_metrics(result.metrics, run.groups, run.metric_keys)
@@ -161,7 +199,7 @@ def fit(run: Run) -> dict[str, float]:
             with metrics_file.open("a") as handle:
                 handle.write(json.dumps({"step": step, **last}) + "\n")
         if trainer.save_every_steps and step % trainer.save_every_steps == 0:
-            run.save(step)
-    last = _finish(run, step, last, logger)
+            saved = (step, run.save(step))
+    last = _finish(run, step, saved, last, logger)
     logger.close()
     return last
