@@ -164,3 +164,16 @@ def test_entropy_and_explained_variance():
     assert ppo.entropy_from_logits(torch.zeros(2, 4)).allclose(torch.full((2,), math.log(4)))
     returns = torch.tensor([[1.0, 2.0, 3.0]])
     assert ppo.explained_variance(returns, returns, torch.ones(1, 3)) == pytest.approx(1.0)
+
+
+def test_sequence_means_leave_empty_rows_out_as_verl():
+    """One empty response in three: verl's agg_loss divides by the 2 non-empty rows, so the
+    seq-mean modes give 1.5x what a mean over all 3 rows would (-0.743 vs -0.495 in the issue)."""
+    loss = torch.tensor([[-0.3, -0.2, -0.1], [-0.5, -0.4, 0.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    # by hand: row sums -0.6 and -0.9, row means -0.2 and -0.45; the empty row counts nowhere
+    assert ppo.aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx(-0.75)
+    assert ppo.aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(-0.325)
+    assert ppo.aggregate(loss, mask, "token-mean").item() == pytest.approx(-1.5 / 5)
+    nothing = torch.zeros(2, 3)
+    assert ppo.aggregate(loss[:2], nothing, "seq-mean-token-sum").item() == 0.0

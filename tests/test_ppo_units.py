@@ -66,11 +66,13 @@ def test_grpo_advantage_is_the_group_normalised_score_on_every_token():
 
 
 def test_micro_denominators_rebuild_the_mini_batch_aggregate():
-    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1]])
-    loss = torch.arange(12.0).reshape(4, 3)
+    # Row 4 is an empty response: the sequence means count the 4 other rows only (as verl).
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1], [0, 0, 0]])
+    loss = torch.arange(15.0).reshape(5, 3)
+    full = mask[:4]
     for mode, whole in (("token-mean", (loss * mask).sum() / mask.sum()),
-                        ("seq-mean-token-sum", (loss * mask).sum(1).mean()),
-                        ("seq-mean-token-mean", ((loss * mask).sum(1) / mask.sum(1)).mean())):
+                        ("seq-mean-token-sum", (loss[:4] * full).sum(1).mean()),
+                        ("seq-mean-token-mean", ((loss[:4] * full).sum(1) / full.sum(1)).mean())):
         from megatron_rlhf.algorithms.ppo import aggregate
 
         parts = [(loss[:1], mask[:1]), (loss[1:], mask[1:])]
@@ -288,3 +290,12 @@ def test_rollback_hides_the_undone_steps_in_tensorboard(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_mini_batch_denominator_counts_non_empty_responses():
+    from megatron_rlhf.trainer.ppo_worker import _denominator
+
+    batch = {"loss_mask": torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]])}
+    assert _denominator(batch, [0, 1, 2], "seq-mean-token-sum") == 2.0
+    assert _denominator(batch, [1, 3], "seq-mean-token-mean") == 1.0  # nothing to train: no 0/0
+    assert _denominator(batch, [0, 1, 2, 3], "token-mean") == 5.0

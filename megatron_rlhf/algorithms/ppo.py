@@ -20,16 +20,24 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
     """Reduce a ``[B, T]`` loss to a scalar.
 
     token-mean: mean over all valid tokens; seq-mean-token-sum: per-sequence sum, then mean over
-    sequences; seq-mean-token-mean: per-sequence mean, then mean over sequences.
+    sequences; seq-mean-token-mean: per-sequence mean, then mean over sequences. The sequence
+    means count only rows with at least one valid token (an empty response trains nothing and
+    does not dilute the others), as verl's ``agg_loss``.
     """
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         return masked_mean(loss, mask)
+    tokens = mask.sum(dim=1)
     if mode == "seq-mean-token-sum":
-        return (loss * mask).sum(dim=1).mean()
+        return (loss * mask).sum(dim=1).sum() / nonempty_rows(mask)
     if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+        return ((loss * mask).sum(dim=1) / tokens.clamp(min=1)).sum() / nonempty_rows(mask)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGG_MODES}")
+
+
+def nonempty_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Rows of ``mask [B, T]`` with a valid token, at least 1: the sequence means' denominator."""
+    return (mask.sum(dim=1) > 0).sum().to(torch.float32).clamp(min=1.0)
 
 
 def kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:

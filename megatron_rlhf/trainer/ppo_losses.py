@@ -11,17 +11,18 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
-from megatron_rlhf.algorithms.ppo import aggregate, entropy_from_logits, kl_estimate, policy_loss, value_loss
+from megatron_rlhf.algorithms.ppo import (aggregate, entropy_from_logits, kl_estimate, nonempty_rows,
+                                          policy_loss, value_loss)
 from megatron_rlhf.data.packing import grid_tensor, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.forward import gather_vocab_parallel, token_cross_entropy
 
 
 def micro_denominator(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
-    """What ``aggregate`` divides by inside one micro-batch: tokens, or sequences."""
+    """What ``aggregate`` divides by inside one micro-batch: tokens, or non-empty sequences."""
     if agg_mode == "token-mean":
         return mask.sum().clamp(min=1.0)
-    return torch.tensor(float(mask.shape[0]))
+    return nonempty_rows(mask)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rlhf.algorithms.ppo import nonempty_rows
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.config.loader import batch_plan
 from megatron_rlhf.config.ppo_checks import uses_reference
@@ -326,9 +327,11 @@ class PPOWorker:
 
 
 def _denominator(batch: dict, rows: list[int], agg_mode: str) -> float:
+    """The mini-batch's tokens (token-mean) or non-empty sequences (seq-mean-*)."""
+    mask = batch["loss_mask"][torch.tensor(rows)]
     if agg_mode == "token-mean":
-        return float(batch["loss_mask"][torch.tensor(rows)].sum().clamp(min=1.0))
-    return float(len(rows))
+        return float(mask.sum().clamp(min=1.0))
+    return float(nonempty_rows(mask))
 
 
 def _average(sums: list[dict], prefix: str) -> dict:
