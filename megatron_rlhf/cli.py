@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from megatron_rlhf.errors import UserError
@@ -120,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seeds the tiny model's init and every stage's trainer (data stays fixed)")
     return parser
 
 
@@ -196,7 +197,7 @@ def run(args) -> int:
     elif args.job == "demo":
         from megatron_rlhf.demo import run_demo
 
-        return run_demo(args.out_dir)
+        return run_demo(args.out_dir, args.seed)
     return 0
 
 
@@ -216,21 +217,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
-def _quiet_cpu_warnings() -> None:
-    # megatron-core warns about every missing GPU-only package; on CPU that is expected noise.
-    for module in ("megatron", "torch.distributed"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=module)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-    warnings.filterwarnings("ignore", message="Please use DTensor instead")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    _quiet_cpu_warnings()
-    from megatron_rlhf.distributed.launch import inside_launch, relaunch
+    from megatron_rlhf.distributed.launch import inside_launch, quiet_cpu_warnings, relaunch
+
+    quiet_cpu_warnings()
 
     try:
         nproc = getattr(args, "nproc_per_node", 1)

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import uuid
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,17 @@ from megatron_rlhf.distributed.platform import apply_platform, platform_is_cpu
 from megatron_rlhf.errors import UserError
 
 DEFAULT_PORT = 29500
+
+
+def quiet_cpu_warnings() -> None:
+    """Silence what every CPU process would otherwise print first (the CLI and Ray workers)."""
+    # megatron-core warns about every missing GPU-only package; on CPU that is expected noise.
+    for module in ("megatron", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    warnings.filterwarnings("ignore", message="Please use DTensor instead")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,9 @@ def _worker_class():
         def init(self, rank: int, world_size: int, master: tuple[str, int], threads: int) -> int:
             import torch
 
-            from megatron_rlhf.cli import _quiet_cpu_warnings
-            from megatron_rlhf.distributed.launch import init_distributed
+            from megatron_rlhf.distributed.launch import init_distributed, quiet_cpu_warnings
 
-            _quiet_cpu_warnings()
+            quiet_cpu_warnings()
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                               LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0],
                               MASTER_PORT=str(master[1]), OMP_NUM_THREADS=str(threads))

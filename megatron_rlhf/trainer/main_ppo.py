@@ -1,15 +1,12 @@
-"""``megatron-rlhf ppo`` / ``python -m megatron_rlhf.trainer.main_ppo``: the PPO driver.
+"""The PPO driver behind ``megatron-rlhf ppo`` (also ``python -m megatron_rlhf.ppo``).
 
-    python -m megatron_rlhf.trainer.main_ppo --config configs/ppo/tiny_cpu.yaml actor.ppo_epochs=2
+    megatron-rlhf ppo --config configs/ppo/tiny_cpu.yaml actor.ppo_epochs=2
 
 The driver starts (or joins) Ray, places the worker groups, and runs :func:`fit`, whose loop is
 the whole algorithm: generate -> score -> experience -> advantages -> update -> sync weights.
 """
 
 from __future__ import annotations
-
-import argparse
-import sys
 
 import torch
 
@@ -192,13 +189,3 @@ def train_ppo(cfg: PPOConfig) -> dict[str, float]:
             for group in {id(run.actor): run.actor, id(run.critic): run.critic}.values():
                 group.shutdown()
             stop_ray(run.ray_started)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from megatron_rlhf.cli import main as cli_main
-
-    return cli_main(["ppo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
