@@ -53,7 +53,10 @@ def test_sharded_export_loads_in_transformers(tiny_models, tmp_path):
     with torch.no_grad():
         expected = AutoModelForSequenceClassification.from_pretrained(src)(ids).logits
         got = AutoModelForSequenceClassification.from_pretrained(back)(ids).logits
-    assert torch.equal(expected, got)
+    # The weights are bit-identical (test_round_trip_is_bit_identical); logits computed from two
+    # loads are not: CPU kernels may round differently at another memory alignment (1.2e-7 seen
+    # on an AMD EPYC for logits near 0.3). 1e-5 is far below any wrong or missing tensor.
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def test_checkpoint_is_atomic_and_self_describing(tiny_models, tmp_path):

@@ -1,8 +1,6 @@
 """Ray worker groups: one torch.distributed world per group, results in rank order, and a dead
 or failing rank stops the driver at once with its name instead of a hang."""
 
-import time
-
 import pytest
 
 from megatron_rlhf.config.ppo_schema import RayConfig
@@ -29,10 +27,10 @@ def test_group_is_one_world_and_returns_in_rank_order(ray_cluster):
 def test_dead_worker_fails_fast_with_its_rank(ray_cluster):
     group = WorkerGroup("victims", 2, use_gpu=False)
     group.build(Echo, "b")
-    start = time.time()
+    # Rank 0 is left in an all_reduce that cannot finish; a driver that waited for every rank
+    # would hang here until the suite's timeout (a failure, not a slow pass).
     with pytest.raises(WorkerFailed, match=r"worker group 'victims' rank 1 failed in die_or_wait"):
         group.call("die_or_wait", 1)
-    assert time.time() - start < 60  # rank 0 is stuck in all_reduce; the driver is not
 
 
 def test_the_rank_that_died_is_named_not_the_peers_it_broke(ray_cluster):

@@ -103,4 +103,6 @@ def test_message_list_rows_score_like_strings(rm_setup, tmp_path):
                      "--output", str(out)]) == 0
     a, b = pq.read_table(tmp_path / "a.parquet"), pq.read_table(tmp_path / "b.parquet")
     for column in ("chosen_reward", "rejected_reward"):
-        assert a.column(column).to_pylist() == b.column(column).to_pylist()
+        # Same tokens, two model loads: equal up to kernel rounding (another memory alignment
+        # may round differently); a different rendering would move them by far more.
+        assert a.column(column).to_pylist() == pytest.approx(b.column(column).to_pylist(), abs=1e-5)

@@ -48,7 +48,10 @@ def test_smollm2_megatron_logits_match_transformers(smollm2, tmp_path):
     diff = (logits - reference).abs().max().item()
     print(f"SmolLM2-135M Megatron vs transformers max abs logit diff: {diff:.3e}")
     assert diff < 1e-3  # 30 fp32 layers, logits of magnitude ~20
-    assert torch.equal(logits[0, -1].argmax(), reference[0, -1].argmax())
+    # Same next token, unless transformers' top two are closer than the two implementations
+    # differ (rounding may then break the tie either way).
+    top = reference[0, -1].topk(2).values
+    assert logits[0, -1].argmax() == reference[0, -1].argmax() or top[0] - top[1] < 2 * diff
     del model
     torch.distributed.destroy_process_group()
 
