@@ -25,9 +25,12 @@ from pathlib import Path
 from megatron_rlhf.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# From the spread table in docs/benchmarks.md (benchmarks/demo_spread.py: seeds x thread counts),
+# not from one run: another CPU rounds differently and lands on another trajectory.
+EXPECTED = "PPO typically adds N points (measured: TODO)"
 
 
-def _stage(root: Path, name: str, args: list[str]) -> None:
+def _stage(root: Path, name: str, args: list[str]) -> float:
     log = root / "logs" / f"{name}.log"
     log.parent.mkdir(exist_ok=True)
     start = time.time()
@@ -38,7 +41,9 @@ def _stage(root: Path, name: str, args: list[str]) -> None:
     if proc.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
         raise UserError(f"demo stage {name} failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
-    print(f"[demo] {name}: done in {time.time() - start:.0f}s", flush=True)
+    elapsed = time.time() - start
+    print(f"[demo] {name}: done in {elapsed:.0f}s", flush=True)
+    return elapsed
 
 
 def _newest(run: Path) -> Path:
@@ -50,17 +55,18 @@ def _newest(run: Path) -> Path:
     return found[-1]
 
 
-def _prepare(root: Path) -> None:
+def _prepare(root: Path, seed: int) -> None:
     import pyarrow.parquet as pq
 
     from megatron_rlhf.data.task_files import write_task_files
     from megatron_rlhf.models.tiny import make_tiny_base
 
+    # The task data is the bundled default and never varies with --seed; the model does.
     write_task_files(str(root / "data"), train=4000, val=200, seed=0)
     table = pq.read_table(root / "data" / "sft_train.parquet")
     texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
                                          table.column("response").to_pylist())]
-    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
+    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4, seed=seed)
 
 
 def _curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
@@ -95,7 +101,48 @@ def _plot(curves: dict, out: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(out_dir: str) -> int:
+def sft_and_rm(root: Path, seed: int) -> dict[str, float]:
+    """Stages 1-4: task data, tiny base, SFT, export, reward model. Returns stage seconds."""
+    data, seconds = root / "data", {}
+    start = time.time()
+    _prepare(root, seed)
+    seconds["prepare"] = time.time() - start
+    seconds["sft"] = _stage(root, "sft", [
+        "sft", "--config", str(CONFIGS / "sft" / "tiny_cpu.yaml"), f"model.path={root / 'base'}",
+        f"data.train_files=[{data / 'sft_train.parquet'}]", f"data.val_files=[{data / 'sft_val.parquet'}]",
+        f"trainer.output_dir={root / 'sft'}", "trainer.logger=console", f"trainer.seed={1 + seed}"])
+    seconds["export"] = _stage(root, "export-sft", ["convert", "mcore-to-hf", "--mcore-dir",
+                                                    str(_newest(root / "sft")), "--out-dir", str(root / "sft_hf")])
+    seconds["rm"] = _stage(root, "reward-model", [
+        "train-rm", "--config", str(CONFIGS / "rm" / "tiny_cpu.yaml"), f"model.path={root / 'sft_hf'}",
+        f"data.train_files=[{data / 'prefs_train.parquet'}]", f"data.val_files=[{data / 'prefs_val.parquet'}]",
+        f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=8", "optim.lr=3e-4", "optim.min_lr=3e-5",
+        "trainer.logger=console", f"trainer.seed={1 + seed}"])
+    return seconds
+
+
+def ppo_stage(root: Path, seed: int, overrides: tuple[str, ...] = (), out: Path | None = None) -> float:
+    """Stage 5: PPO from ``root``'s SFT policy against its reward model (into ``out``)."""
+    data, out = root / "data", out or root / "ppo"
+    sft, rm = _newest(root / "sft"), _newest(root / "rm")
+    return _stage(out.parent, out.name, [
+        "ppo", "--config", str(CONFIGS / "ppo" / "tiny_cpu.yaml"), f"actor.model_path={sft}",
+        f"critic.model_path={rm}", f"reward.model_path={rm}",
+        f"data.train_files=[{data / 'prompts_train.parquet'}]", f"data.val_files=[{data / 'prompts_val.parquet'}]",
+        f"trainer.output_dir={out}", f"trainer.seed={1 + seed}", f"rollout.seed={seed}", *overrides])
+
+
+def summarize(root: Path, ppo_dir: Path | None = None) -> dict:
+    """Before/after numbers of a finished demo folder (also read by benchmarks/demo_spread.py)."""
+    curves = _curves((ppo_dir or root / "ppo") / "metrics.jsonl")
+    acc, score = curves["val/oracle_acc"], curves["val/rm_score"]
+    rm_val = json.loads((root / "rm" / "final_metrics.json").read_text())
+    return {"sft_oracle_acc": acc[0][1], "ppo_oracle_acc": acc[-1][1], "sft_rm_score": score[0][1],
+            "ppo_rm_score": score[-1][1], "ppo_steps": acc[-1][0],
+            "rm_val_accuracy": rm_val.get("val/accuracy"), "curves": curves}
+
+
+def run_demo(out_dir: str, seed: int = 0) -> int:
     root = Path(out_dir)
     marker = root / ".megatron_rlhf_demo"
     if root.exists() and any(root.iterdir()):
@@ -105,42 +152,29 @@ def run_demo(out_dir: str) -> int:
     root.mkdir(parents=True)
     marker.touch()
     start = time.time()
-    print(f"[demo] writing the bundled addition task and a tiny Qwen2 LM under {root}", flush=True)
-    _prepare(root)
-    data = root / "data"
-    _stage(root, "sft", ["sft", "--config", str(CONFIGS / "sft" / "tiny_cpu.yaml"),
-                         f"model.path={root / 'base'}", f"data.train_files=[{data / 'sft_train.parquet'}]",
-                         f"data.val_files=[{data / 'sft_val.parquet'}]", f"trainer.output_dir={root / 'sft'}",
-                         "trainer.logger=console"])
-    sft = _newest(root / "sft")
-    _stage(root, "export-sft", ["convert", "mcore-to-hf", "--mcore-dir", str(sft),
-                                "--out-dir", str(root / "sft_hf")])
-    _stage(root, "reward-model", [
-        "train-rm", "--config", str(CONFIGS / "rm" / "tiny_cpu.yaml"), f"model.path={root / 'sft_hf'}",
-        f"data.train_files=[{data / 'prefs_train.parquet'}]", f"data.val_files=[{data / 'prefs_val.parquet'}]",
-        f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=8", "optim.lr=3e-4", "optim.min_lr=3e-5",
-        "trainer.logger=console"])
-    rm = _newest(root / "rm")
-    rm_val = json.loads((root / "rm" / "final_metrics.json").read_text())
-    _stage(root, "ppo", ["ppo", "--config", str(CONFIGS / "ppo" / "tiny_cpu.yaml"),
-                         f"actor.model_path={sft}", f"critic.model_path={rm}", f"reward.model_path={rm}",
-                         f"data.train_files=[{data / 'prompts_train.parquet'}]",
-                         f"data.val_files=[{data / 'prompts_val.parquet'}]",
-                         f"trainer.output_dir={root / 'ppo'}"])
-    curves = _curves(root / "ppo" / "metrics.jsonl")
+    print(f"[demo] writing the bundled addition task and a tiny Qwen2 LM under {root} (seed {seed})",
+          flush=True)
+    seconds = sft_and_rm(root, seed)
+    seconds["ppo"] = ppo_stage(root, seed)
+    summary = summarize(root)
+    curves = summary.pop("curves")
     _plot(curves, root / "ppo_curves.png")
-    acc, score = curves["val/oracle_acc"], curves["val/rm_score"]
-    gain = acc[-1][1] - acc[0][1]
-    print("\n[demo] held-out questions (never trained on), greedy answers")
-    print(f"  {'policy':<22} {'oracle accuracy':>16} {'RM score':>10}")
-    print(f"  {'SFT (PPO step 0)':<22} {acc[0][1]:>16.3f} {score[0][1]:>10.3f}")
-    print(f"  {f'PPO (step {acc[-1][0]})':<22} {acc[-1][1]:>16.3f} {score[-1][1]:>10.3f}")
-    print(f"  change: {100 * gain:+.1f} points of accuracy; reward model pairwise accuracy "
-          f"{rm_val.get('val/accuracy', float('nan')):.3f}")
+    _report(summary)
     print(f"[demo] curves: {root / 'ppo_curves.png'}; TensorBoard: tensorboard --logdir {root}")
     print(f"[demo] done in {time.time() - start:.0f}s; artefacts in {root}")
-    (root / "summary.json").write_text(json.dumps({
-        "sft_oracle_acc": acc[0][1], "ppo_oracle_acc": acc[-1][1], "sft_rm_score": score[0][1],
-        "ppo_rm_score": score[-1][1], "rm_val_accuracy": rm_val.get("val/accuracy"),
-        "seconds": time.time() - start}, indent=2))
+    summary.update(seed=seed, seconds=time.time() - start,
+                   stage_seconds={k: round(v, 1) for k, v in seconds.items()})
+    (root / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def _report(summary: dict) -> None:
+    gain = summary["ppo_oracle_acc"] - summary["sft_oracle_acc"]
+    print("\n[demo] held-out questions (never trained on), greedy answers")
+    print(f"  {'policy':<22} {'oracle accuracy':>16} {'RM score':>10}")
+    print(f"  {'SFT (PPO step 0)':<22} {summary['sft_oracle_acc']:>16.3f} {summary['sft_rm_score']:>10.3f}")
+    label = f"PPO (step {summary['ppo_steps']})"
+    print(f"  {label:<22} {summary['ppo_oracle_acc']:>16.3f} {summary['ppo_rm_score']:>10.3f}")
+    print(f"  change: {100 * gain:+.1f} points of accuracy; reward model pairwise accuracy "
+          f"{summary['rm_val_accuracy'] or float('nan'):.3f}")
+    print(f"  {EXPECTED}")
