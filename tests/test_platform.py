@@ -88,3 +88,58 @@ def test_bridge_suspended_runs_plain_torch_and_restores_the_bridge(fresh_platfor
         with platform.bridge_suspended():
             assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert isinstance(torch.overrides._get_current_function_mode(), platform.CudaToCpuMode)
+
+
+class _AsksForTheDeviceInBackward(torch.autograd.Function):
+    """As megatron's _AllToAll / gather backward: a buffer on the current CUDA device."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty(grad.shape, device=torch.cuda.current_device())
+        return out.copy_(grad * 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_custom_backward_runs_under_the_bridge(fresh_platform):
+    """The autograd engine does not carry the caller's TorchFunctionMode into a custom
+    Function's backward; the bridge re-enters it (EP all-to-all, SP, recompute need this)."""
+    platform.apply_platform()
+    x = torch.ones(3, requires_grad=True)
+    _AsksForTheDeviceInBackward.apply(x).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_streams_and_events_are_no_ops_on_cpu(fresh_platform):
+    platform.apply_platform()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        stream.record_event().synchronize()
+    from megatron.core.transformer.moe import moe_utils
+
+    sizes = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([2, 3]), as_numpy=True)
+    assert sizes.tolist() == [2, 3] and not torch.is_tensor(sizes)
+
+
+def test_local_layers_without_te_build_what_megatron_refuses(fresh_platform):
+    """MoE router, torch norm under sequence parallel, CheckpointWithoutOutput(fp8=False)."""
+    platform.apply_platform()
+    if platform.has_transformer_engine():
+        pytest.skip("Transformer Engine present: the local-layer fixes are not applied")
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    assert moe_utils.te_general_gemm is None
+    assert CheckpointWithoutOutput(fp8=False).fp8 is False
+    config = SimpleNamespace(sequence_parallel=True, normalization="RMSNorm", memory_efficient_layer_norm=False,
+                             layernorm_zero_centered_gamma=False, persist_layer_norm=False)
+    norm = WrappedTorchNorm(config, 8, 1e-6)
+    assert config.sequence_parallel and all(p.sequence_parallel for p in norm.parameters())

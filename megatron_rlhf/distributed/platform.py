@@ -7,8 +7,17 @@ megatron-core 0.16.1 assumes a GPU in ways no config flag turns off:
 3. hard-coded ``device="cuda"`` tensors in pipeline schedules, optimizer, grad scaler, mask helpers;
 4. ``torch.cuda.synchronize`` in batched p2p and DDP;
 5. ``.cuda()`` on tied embedding weights when PP > 1;
-6. (not bridged: sequence parallel with the torch-norm fallback; layouts reject it on CPU);
-7. DistributedOptimizer / bf16 optimizers checking ``param.type() == 'torch.cuda.FloatTensor'``.
+6. the torch-norm fallback refusing sequence parallel (bridged with the no-TE fixes below);
+7. DistributedOptimizer / bf16 optimizers checking ``param.type() == 'torch.cuda.FloatTensor'``;
+8. the device mapping is a ``TorchFunctionMode``, and the autograd engine runs a custom
+   ``autograd.Function.backward`` without the caller's modes: expert-parallel all-to-all,
+   sequence-parallel gathers and activation recompute ask for the CUDA device there;
+9. CUDA streams and events (MoE all-to-all dispatcher, shared-expert overlap): on CPU every op is
+   synchronous, so they become no-ops;
+10. MoE split sizes meant for ``all_to_all_single`` reach it as numpy only from a GPU.
+
+Without Transformer Engine (any device) megatron-core 0.16.1's local layers have bugs of their
+own, fixed by :func:`apply_no_te_fixes` (each fix names the error it prevents).
 
 On CPU the "device" is the CPU: the device RNG is the CPU default generator, every CUDA device
 request becomes a CPU one, synchronisation is a no-op. :func:`apply_platform` installs all of it
@@ -106,8 +115,11 @@ def bridge_suspended():
         mode.__enter__()
 
 
-def _patch(owner: Any, name: str, value: Callable) -> None:
-    _STATE.patches.append((owner, name, getattr(owner, name)))
+_ABSENT = object()
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _STATE.patches.append((owner, name, getattr(owner, name, _ABSENT)))
     setattr(owner, name, value)
 
 
@@ -127,14 +139,158 @@ def _no_op(*_args, **_kwargs) -> None:
     return None
 
 
-def apply_platform() -> bool:
-    """Install the CPU bridge once per process; a no-op when CUDA is available.
+class _CpuEvent:
+    def record(self, stream=None):
+        return None
 
-    Returns True when the bridge is (now or already) active.
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """``torch.cuda.Stream`` on CPU, where work is synchronous: every stream op is a no-op."""
+
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    def wait_stream(self, _other):
+        return None
+
+    def wait_event(self, _event):
+        return None
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def synchronize(self):
+        return None
+
+    def __eq__(self, other):
+        return isinstance(other, _CpuStream)
+
+    def __hash__(self):
+        return 0
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _backward_in_mode(original: Callable) -> Callable:
+    """Item 8: re-enter the device mapping around every custom ``Function.backward``.
+
+    Without it megatron's ``_AllToAll.backward`` (expert parallelism), the sequence-parallel
+    gathers' backward and recompute's ``CheckpointFunction.backward`` fail with
+    ``RuntimeError: Cannot access accelerator device when none is available``.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    def apply(self, *args):
+        mode = _STATE.mode
+        if mode is None or mode in _get_current_function_mode_stack():
+            return original(self, *args)
+        with mode:
+            return original(self, *args)
+
+    return apply
+
+
+def _numpy_split_sizes(original: Callable) -> Callable:
+    """Item 10: ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` leaves a CPU tensor a tensor, and
+    ``all_to_all_single`` then raises ``TypeError: incompatible function arguments``."""
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return out.numpy() if as_numpy and torch.is_tensor(out) else out
+
+    return maybe_move_tensor_to_cpu
+
+
+def _apply_cpu_bridges() -> None:
+    import contextlib
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from torch.autograd.function import BackwardCFunction
+
+    _patch(BackwardCFunction, "apply", _backward_in_mode(BackwardCFunction.apply))
+    _patch(torch.cuda, "Stream", _CpuStream)
+    _patch(torch.cuda, "Event", _CpuEvent)
+    _patch(torch.cuda, "current_stream", lambda *_a, **_k: _CPU_STREAM)
+    _patch(torch.cuda, "stream", lambda *_a, **_k: contextlib.nullcontext())
+    moved = _numpy_split_sizes(moe_utils.maybe_move_tensor_to_cpu)
+    _patch(moe_utils, "maybe_move_tensor_to_cpu", moved)
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", moved)
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def apply_no_te_fixes() -> None:
+    """megatron-core 0.16.1's local (non-Transformer-Engine) layers, on any device."""
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    # moe_utils binds te_general_gemm only when TE imports, yet the router tests it
+    # unconditionally: `NameError: name 'te_general_gemm' is not defined` on the first forward.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _patch(moe_utils, "te_general_gemm", None)
+    # Without TE, megatron's TE extension still imports (TE is a MagicMock there), so MLA sets
+    # HAVE_TE=True and `isinstance(x, TELinear)` raises `TypeError: isinstance() arg 2 must be a
+    # type` while building MLASelfAttention.
+    _patch(multi_latent_attention, "HAVE_TE", False)
+    # CheckpointWithoutOutput(fp8=False) sets `self.fp8 = fp8 is not None`, i.e. True, and its
+    # forward then calls TE's FP8GlobalStateManager: `NameError` in selective recompute.
+    checkpoint = mcore_random.CheckpointWithoutOutput
+    init = checkpoint.__init__
+
+    def checkpoint_init(self, fp8=False):
+        init(self, fp8=fp8)
+        self.fp8 = bool(fp8)
+
+    _patch(checkpoint, "__init__", checkpoint_init)
+    # The torch-norm fallback asserts `not sequence_parallel`. Under SP a norm just runs on the
+    # local sequence shard; its weight gradients are all-reduced over TP by
+    # finalize_model_grads for parameters tagged `sequence_parallel`.
+    new = WrappedTorchNorm.__new__
+
+    def norm_new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        sp = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = new(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sp
+        for param in norm.parameters():
+            param.sequence_parallel = sp
+        return norm
+
+    _patch(WrappedTorchNorm, "__new__", staticmethod(norm_new))
+
+
+def apply_platform() -> bool:
+    """Install the CPU bridge once per process (a no-op when CUDA is available), and the fixes
+    for megatron-core's local layers when Transformer Engine is absent.
+
+    Returns True when the CPU bridge is (now or already) active.
     """
     with _LOCK:
         if _STATE.applied:
-            return True
+            return _STATE.mode is not None
+        _STATE.applied = True
+        if not has_transformer_engine():
+            apply_no_te_fixes()
         if not platform_is_cpu():
             return False
         from megatron.core.tensor_parallel import random as mcore_random
@@ -148,9 +304,9 @@ def apply_platform() -> bool:
         _patch(torch.cuda.random, "get_rng_state", _cpu_get_rng_state)
         _patch(mcore_random, "_get_cuda_rng_state", _cpu_get_rng_state)
         _patch(mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+        _apply_cpu_bridges()
         _STATE.mode = CudaToCpuMode()
         _STATE.mode.__enter__()
-        _STATE.applied = True
         return True
 
 
@@ -161,6 +317,9 @@ def remove_platform() -> None:
             _STATE.mode.__exit__(None, None, None)
             _STATE.mode = None
         for owner, name, original in reversed(_STATE.patches):
-            setattr(owner, name, original)
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         _STATE.patches.clear()
         _STATE.applied = False

@@ -10,17 +10,13 @@ import torch
 from torch import nn
 
 from megatron_rlhf.distributed.layout import ParallelGroups
-from megatron_rlhf.distributed.platform import device, platform_is_cpu
+from megatron_rlhf.distributed.platform import device, has_transformer_engine, platform_is_cpu
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size, transformer_config
 
 
 def uses_transformer_engine() -> bool:
     """Whether models are built from Transformer Engine layers (GPU with TE installed)."""
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return has_transformer_engine()
 
 
 def layer_spec():
