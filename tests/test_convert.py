@@ -82,7 +82,7 @@ def test_unsupported_architecture(tmp_path, capsys):
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path / "gpt2")
     code, err = _error_of(capsys, ["convert", "hf-to-mcore", "--hf-dir", str(tmp_path / "gpt2"),
                                    "--out-dir", str(tmp_path / "out")])
-    assert code == 2 and err == "error: unsupported model_type 'gpt2': supported are qwen2, llama"
+    assert code == 2 and err == "error: unsupported model_type 'gpt2': supported are qwen2, llama, qwen3, qwen2_moe, qwen3_moe, deepseek_v3"
 
 
 def test_missing_files(tiny_models, tmp_path, capsys):

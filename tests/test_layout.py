@@ -55,7 +55,7 @@ def test_resolve_fills_dp():
     (ParallelLayout(tp=2, dp=3), 4, "dp=3 but world size 4"),
     (ParallelLayout(tp=0), 1, "tp=0 must be >= 1"),
     (ParallelLayout(ep=2), 2, "ep=2 needs a mixture-of-experts model"),
-    (ParallelLayout(tp=2, ep=2), 2, "ep=2 must divide dp=1"),  # megatron-core would refuse it
+    (ParallelLayout(tp=2, ep=2, etp=2), 2, "etp*ep = 2*2 must divide the 2 ranks"),  # as megatron-core
 ])
 def test_invalid_layouts_name_the_problem(layout, world, message):
     with pytest.raises(UserError, match=re.escape("parallel layout: " + message)):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -11,6 +13,7 @@ from megatron_rlhf.convert.mapping import (layer_offsets, mapped_parameters, rul
                                            tp_unshard)
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.builder import uses_transformer_engine
 from megatron_rlhf.models.hf_config import ModelArch
 
 
@@ -21,30 +24,51 @@ def load_hf_weights(model, reader: HFReader, arch: ModelArch, groups: ParallelGr
 
     ``skip`` names Megatron parameters left as initialised (a new head); ``unused_ok`` names HF
     tensors deliberately dropped (the LM head when starting a reward model from an LM). Otherwise
-    every HF tensor must be used by some pipeline stage: an unmapped one would silently change the
-    model. Collective over the pipeline group when pp > 1.
+    every HF tensor must be used by some rank (stages and expert-parallel ranks each load their
+    own): an unmapped one would silently change the model. Collective when the world has more
+    than one rank.
     """
     offsets = layer_offsets(model)
-    used: set[str] = set(unused_ok)
+    used: set[str] = set(unused_ok) | set(mtp_tensor_names(reader, arch))
     params = [(n, p) for n, p in mapped_parameters(model) if n not in skip]
+    expert_offset = groups.expert_offset(arch.moe.num_experts if arch.moe else 0)
+    local_spec = not uses_transformer_engine()
     show = progress and dist.get_rank() == 0
     for name, param in tqdm(params, desc="HF -> Megatron", unit="tensor", disable=not show):
-        rule = rule_for(name, arch, padded_vocab, offsets)
+        rule = rule_for(name, arch, padded_vocab, offsets, expert_offset=expert_offset,
+                        local_spec=local_spec)
         full = rule.merge([reader.get(hf_name) for hf_name in rule.hf_names])
-        shard = tp_shard(full, rule.tp_cut, groups.tp_rank, groups.layout.tp)
+        rank, size = ((groups.etp_rank, groups.layout.etp) if rule.expert
+                      else (groups.tp_rank, groups.layout.tp))
+        shard = tp_shard(full, rule.tp_cut, rank, size)
         if shard.shape != param.shape:
             raise UserError(f"shape mismatch for {', '.join(rule.hf_names)}: the HF checkpoint gives "
                             f"{tuple(shard.shape)} for Megatron {name} {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(shard)
         used.update(rule.hf_names)
-    if groups.layout.pp > 1:  # each stage loads its own layers: check the union of all stages
-        stages: list[set[str]] = [set()] * groups.layout.pp
-        dist.all_gather_object(stages, used, group=groups.pp)
-        used = set().union(*stages)
+    if dist.get_world_size() > 1:  # stages and EP ranks load their own tensors: check the union
+        everyone: list[set[str]] = [set()] * dist.get_world_size()
+        dist.all_gather_object(everyone, used)
+        used = set().union(*everyone)
     unused = sorted(set(reader.names()) - used)
     if unused:
         raise UserError(f"{len(unused)} HF tensors have no Megatron counterpart, e.g. {unused[0]!r}")
+
+
+def mtp_tensor_names(reader: HFReader, arch: ModelArch) -> list[str]:
+    """DeepSeek-V3's multi-token-prediction layers, stored after the decoder's last layer: we
+    train without them, so importing drops them (and says so once)."""
+    if not arch.mtp_layers:
+        return []
+    first = arch.num_layers
+    pattern = re.compile(r"model\.layers\.(\d+)\.")
+    names = [n for n in reader.names()
+             if (m := pattern.match(n)) and int(m.group(1)) >= first]
+    if names and dist.get_rank() == 0:
+        print(f"[convert] dropping {len(names)} multi-token-prediction tensors "
+              f"(model.layers.{first}.* and up): megatron-rlhf trains without MTP", flush=True)
+    return names
 
 
 def iter_hf_tensors(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: int):
@@ -54,12 +78,15 @@ def iter_hf_tensors(model, arch: ModelArch, groups: ParallelGroups, padded_vocab
     """
     if groups.layout.pp != 1:
         raise ValueError("iter_hf_tensors needs pp == 1")
+    if groups.layout.ep != 1 or groups.layout.etp != 1:
+        raise ValueError("iter_hf_tensors needs ep == etp == 1")
     offsets = layer_offsets(model)
     tp = groups.layout.tp
+    local_spec = not uses_transformer_engine()
     for name, param in mapped_parameters(model):
-        rule = rule_for(name, arch, padded_vocab, offsets)
+        rule = rule_for(name, arch, padded_vocab, offsets, local_spec=local_spec)
         local = param.detach().contiguous()
-        if tp > 1:
+        if tp > 1 and not rule.expert:
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local, group=groups.tp)
         else:

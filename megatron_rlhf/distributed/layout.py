@@ -27,22 +27,25 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor (tp), pipeline (pp), data (dp) and expert (ep) parallel sizes.
+    """Tensor (tp), pipeline (pp), data (dp), expert (ep) and expert-tensor (etp) parallel sizes.
 
-    ``dp=None`` means "whatever the world size leaves": ``world_size // (tp * pp)``.
+    ``dp=None`` means "whatever the world size leaves": ``world_size // (tp * pp)``. Experts are
+    laid out over the same ranks: each pipeline stage's ``tp * dp`` ranks form ``etp * ep``-sized
+    expert groups (megatron-core's rule: ``world % (etp * ep * pp) == 0``).
     """
 
     tp: int = 1
     pp: int = 1
     dp: int | None = None
     ep: int = 1
+    etp: int = 1
 
     def resolve(self, world_size: int, shape: ModelShape | None = None) -> "ParallelLayout":
         """Check the layout against the world and the model; return it with ``dp`` filled in.
 
         Raises :class:`UserError` naming the offending numbers; nothing is created.
         """
-        for name in ("tp", "pp", "ep"):
+        for name in ("tp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise UserError(f"parallel layout: {name}={getattr(self, name)} must be >= 1")
         model_parallel = self.tp * self.pp
@@ -55,11 +58,12 @@ class ParallelLayout:
             raise UserError(
                 f"parallel layout: dp={self.dp} but world size {world_size} / (tp*pp={model_parallel})"
                 f" gives dp={dp}")
-        if dp % self.ep:  # megatron-core: world % (expert tp = tp) * ep * pp == 0
-            raise UserError(f"parallel layout: ep={self.ep} must divide dp={dp}")
+        if (self.tp * dp) % (self.etp * self.ep):
+            raise UserError(f"parallel layout: etp*ep = {self.etp}*{self.ep} must divide the "
+                            f"{self.tp * dp} ranks of a pipeline stage (tp*dp = {self.tp}*{dp})")
         if shape is not None:
             self._check_shape(shape)
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep, etp=self.etp)
 
     def _check_shape(self, shape: ModelShape) -> None:
         checks = [
@@ -74,14 +78,16 @@ class ParallelLayout:
         if shape.num_experts:
             checks.append((shape.num_experts % self.ep,
                            f"experts ({shape.num_experts}) are not divisible by ep={self.ep}"))
-        elif self.ep != 1:
-            checks.append((True, f"ep={self.ep} needs a mixture-of-experts model"))
+        else:
+            checks.append((self.ep != 1, f"ep={self.ep} needs a mixture-of-experts model"))
+            checks.append((self.etp != 1, f"etp={self.etp} needs a mixture-of-experts model"))
         for failed, message in checks:
             if failed:
                 raise UserError(f"parallel layout: {message}")
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep}"
+        experts = f" ep={self.ep} etp={self.etp}" if self.ep > 1 or self.etp > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{experts}"
 
 
 @dataclass
@@ -116,6 +122,28 @@ class ParallelGroups:
         return dist.get_rank(self.collection.dp)
 
     @property
+    def ep(self):
+        """Expert-parallel group: its ranks hold different experts of the same layers."""
+        return self.collection.ep
+
+    @property
+    def etp(self):
+        """Expert-tensor-parallel group: its ranks hold pieces of the same experts."""
+        return self.collection.expt_tp
+
+    @property
+    def ep_rank(self) -> int:
+        return dist.get_rank(self.collection.ep) if self.layout.ep > 1 else 0
+
+    @property
+    def etp_rank(self) -> int:
+        return dist.get_rank(self.collection.expt_tp) if self.layout.etp > 1 else 0
+
+    def expert_offset(self, num_experts: int) -> int:
+        """Global index of this rank's first local expert."""
+        return self.ep_rank * (num_experts // self.layout.ep) if num_experts else 0
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -143,6 +171,7 @@ def build_parallel_groups(layout: ParallelLayout, shape: ModelShape | None = Non
         tensor_model_parallel_size=resolved.tp,
         pipeline_model_parallel_size=resolved.pp,
         expert_model_parallel_size=resolved.ep,
+        expert_tensor_parallel_size=resolved.etp,
     )
     model_parallel_cuda_manual_seed(seed)
     return ParallelGroups(layout=resolved, collection=ProcessGroupCollection.use_mpu_process_groups())

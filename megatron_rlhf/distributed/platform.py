@@ -14,7 +14,9 @@ megatron-core 0.16.1 assumes a GPU in ways no config flag turns off:
    sequence-parallel gathers and activation recompute ask for the CUDA device there;
 9. CUDA streams and events (MoE all-to-all dispatcher, shared-expert overlap): on CPU every op is
    synchronous, so they become no-ops;
-10. MoE split sizes meant for ``all_to_all_single`` reach it as numpy only from a GPU.
+10. MoE split sizes meant for ``all_to_all_single`` reach it as numpy only from a GPU;
+11. YaRN rotary embeddings (MLA) enter ``torch.device(torch.cuda.current_device())`` unless told
+    to initialise on the CPU, which MLA never does.
 
 Without Transformer Engine (any device) megatron-core 0.16.1's local layers have bugs of their
 own, fixed by :func:`apply_no_te_fixes` (each fix names the error it prevents).
@@ -211,9 +213,20 @@ def _numpy_split_sizes(original: Callable) -> Callable:
     return maybe_move_tensor_to_cpu
 
 
+def _cpu_initialised(original: Callable) -> Callable:
+    """Item 11: ``torch.device(0)`` raises ``Cannot access accelerator device`` without CUDA."""
+
+    def init(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        original(self, *args, **kwargs)
+
+    return init
+
+
 def _apply_cpu_bridges() -> None:
     import contextlib
 
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from torch.autograd.function import BackwardCFunction
 
@@ -222,6 +235,7 @@ def _apply_cpu_bridges() -> None:
     _patch(torch.cuda, "Event", _CpuEvent)
     _patch(torch.cuda, "current_stream", lambda *_a, **_k: _CPU_STREAM)
     _patch(torch.cuda, "stream", lambda *_a, **_k: contextlib.nullcontext())
+    _patch(YarnRotaryEmbedding, "__init__", _cpu_initialised(YarnRotaryEmbedding.__init__))
     moved = _numpy_split_sizes(moe_utils.maybe_move_tensor_to_cpu)
     _patch(moe_utils, "maybe_move_tensor_to_cpu", moved)
     _patch(token_dispatcher, "maybe_move_tensor_to_cpu", moved)

@@ -1,7 +1,9 @@
 """Megatron-Core model builders: a policy (LM head) and a value/reward model (scalar head).
 
 One value module serves both the PPO critic and the Bradley-Terry reward model: a ``GPTModel``
-whose output layer is a ``[hidden] -> 1`` projection of the final-normed hidden state.
+whose output layer is a ``[hidden] -> 1`` projection of the final-normed hidden state. Dense,
+MoE and MLA families all build here: Transformer Engine layer specs when TE imports (GPU),
+megatron-core's local specs otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from torch import nn
 
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, has_transformer_engine, platform_is_cpu
-from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size, transformer_config
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.hf_config import ModelArch, RopeScaling, padded_vocab_size
+from megatron_rlhf.models.megatron_config import ModelOptions, transformer_config
 
 
 def uses_transformer_engine() -> bool:
@@ -19,13 +23,62 @@ def uses_transformer_engine() -> bool:
     return has_transformer_engine()
 
 
-def layer_spec():
-    """Transformer-Engine layer spec when TE imports (GPU), megatron's local spec otherwise."""
+def _mla_core_attention():
+    """megatron-core 0.16.1's MLA passes ``k_channels``/``v_channels`` to its core attention, which
+    only TE's accepts (``TypeError`` with the local one); MLA's value heads are ``v_head_dim``
+    wide, not ``kv_channels``, so the local attention's output is sized by them."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, k_channels=None,
+                     v_channels=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                             cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+            if v_channels is not None:
+                tp = self.pg_collection.tp.size()
+                self.hidden_size_per_partition = divide(v_channels * config.num_attention_heads, tp)
+                self.hidden_size_per_attention_head = v_channels
+
+    return MLADotProductAttention
+
+
+def _layer_spec(arch: ModelArch, moe_layer: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
+    experts = arch.moe.num_experts if moe_layer else None
+    mla = arch.mla is not None
     if uses_transformer_engine():
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
+            multi_latent_attention=mla)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
+        multi_latent_attention=mla, normalization="RMSNorm")
+    if mla:
+        spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+    return spec
+
+
+def layer_specs(arch: ModelArch, groups: ParallelGroups):
+    """One layer spec for a uniform dense model; else the block spec of this pipeline stage's
+    layers (dense and MoE layers mixed as ``arch.moe.layer_pattern`` says)."""
+    if arch.moe is None and arch.mla is None:
+        return _layer_spec(arch, moe_layer=False)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    pattern = arch.moe.layer_pattern if arch.moe else (0,) * arch.num_layers
+    per_stage = arch.num_layers // groups.layout.pp
+    first = groups.pp_rank * per_stage
+    specs = {flag: _layer_spec(arch, bool(flag)) for flag in set(pattern)}
+    local = [specs[flag] for flag in pattern[first:first + per_stage]]
+    if uses_transformer_engine():
+        from megatron.core.extensions.transformer_engine import TENorm as norm
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm as norm
+    return TransformerBlockSubmodules(layer_specs=local, layer_norm=norm)
 
 
 class ValueHead(nn.Module):
@@ -46,36 +99,51 @@ class ValueHead(nn.Module):
         return torch.matmul(hidden_states, self.weight.t()), None
 
 
+def _llama3_frequencies(model, scaling: RopeScaling) -> None:
+    """Llama 3.x RoPE scaling with the checkpoint's own factors (megatron's GPTModel option fixes
+    low/high frequency factors and the original context at Llama 3.1's values)."""
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=scaling.factor, low_freq_factor=scaling.low_freq_factor,
+        high_freq_factor=scaling.high_freq_factor,
+        original_max_position_embeddings=scaling.original_max_position_embeddings)
+
+
 def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                padded_vocab: int | None = None):
+                padded_vocab: int | None = None, options: ModelOptions | None = None):
     """Build this rank's stage of ``arch`` under ``groups``' layout.
 
     ``padded_vocab`` fixes the embedding rows (a checkpoint's value); by default the vocab is
     padded for the layout's TP size. Returns a ``GPTModel`` on this process's device.
     """
+    from dataclasses import replace
+
     from megatron.core.models.gpt import GPTModel
 
     layout = groups.layout
     vocab = padded_vocab or padded_vocab_size(arch.vocab_size, layout.tp)
     if vocab % layout.tp:
-        from megatron_rlhf.errors import UserError
-
         raise UserError(f"padded vocab {vocab} is not divisible by tp={layout.tp}")
+    options = replace(options or ModelOptions(), expert_tensor_parallel_size=layout.etp)
     config = transformer_config(arch, layout.tp, layout.pp, dtype,
-                                use_cpu_initialization=platform_is_cpu())
+                                use_cpu_initialization=platform_is_cpu(), ep=layout.ep,
+                                options=options)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_specs(arch, groups),
         vocab_size=vocab,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=groups.is_first_stage,
         post_process=groups.is_last_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        # MLA applies its own (yarn or plain) rotary embedding inside attention.
+        position_embedding_type="none" if arch.mla else "rope",
         rotary_base=arch.rope_theta,
         pg_collection=groups.collection,
     )
+    if arch.rope_scaling is not None and arch.rope_scaling.kind == "llama3":
+        _llama3_frequencies(model, arch.rope_scaling)
     if arch.kind == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size, dtype, config.sequence_parallel, groups.tp)
     # Without Transformer Engine or apex, megatron's norms are torch's and ignore params_dtype:

@@ -42,22 +42,50 @@ def train_tokenizer(texts: list[str], out_dir: str | os.PathLike, vocab_size: in
     return tokenizer
 
 
+_CONFIGS = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config",
+            "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+            "deepseek_v3": "DeepseekV3Config"}
+_PREFIXES = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "qwen2_moe": "Qwen2Moe",
+             "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
+
+
+def _family_extras(family: str, hidden_size: int, num_layers: int) -> dict:
+    """What a tiny model of ``family`` adds to the common fields: experts, MLA, RoPE scaling."""
+    moe = dict(moe_intermediate_size=hidden_size // 2, num_experts_per_tok=2)
+    if family == "qwen3":
+        return dict(head_dim=hidden_size // 4)
+    if family == "qwen2_moe":  # a shared expert with its gate; the last layer dense
+        return dict(moe, num_experts=4, shared_expert_intermediate_size=hidden_size,
+                    norm_topk_prob=False, mlp_only_layers=[num_layers - 1])
+    if family == "qwen3_moe":
+        return dict(moe, num_experts=4, norm_topk_prob=True, head_dim=hidden_size // 4)
+    if family == "deepseek_v3":  # first layer dense, 8 experts in 4 groups of which 1 is kept
+        return dict(moe, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                    n_group=4, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                    q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 4,
+                    qk_nope_head_dim=hidden_size // 4, qk_rope_head_dim=hidden_size // 8,
+                    v_head_dim=hidden_size // 4, num_key_value_heads=4)  # MLA: a KV head per head
+    return {}
+
+
 def tiny_config(family: str = "qwen2", kind: str = "policy", vocab_size: int = 250,
                 tie_word_embeddings: bool = False, num_layers: int = 4, hidden_size: int = 64,
-                num_kv_heads: int = 2, pad_token_id: int | None = None):
-    """A small config of ``family`` ("qwen2" or "llama") as a causal LM or a 1-label classifier."""
-    from transformers import LlamaConfig, Qwen2Config
+                num_kv_heads: int = 2, pad_token_id: int | None = None, **overrides):
+    """A small config of ``family`` (see ``_CONFIGS``) as a causal LM or a 1-label classifier;
+    ``overrides`` replace any field (``q_lora_rank=None``, ``rope_parameters={...}``)."""
+    import transformers
 
-    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
-    prefix = {"qwen2": "Qwen2", "llama": "Llama"}[family]
+    config_class = getattr(transformers, _CONFIGS[family])
     suffix = "ForCausalLM" if kind == "policy" else "ForSequenceClassification"
-    return config_class(
+    fields = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=num_kv_heads,
         max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
-        rope_theta=10000.0 if family == "qwen2" else 500000.0, rms_norm_eps=1e-6,
-        num_labels=1, pad_token_id=pad_token_id, architectures=[prefix + suffix],
-    )
+        rope_theta=500000.0 if family == "llama" else 10000.0, rms_norm_eps=1e-6,
+        num_labels=1, pad_token_id=pad_token_id, architectures=[_PREFIXES[family] + suffix])
+    fields.update(_family_extras(family, hidden_size, num_layers))
+    fields.update(overrides)
+    return config_class(**fields)
 
 
 def make_tiny_model(config, out_dir: str | os.PathLike | None = None, seed: int = 0):
@@ -70,12 +98,17 @@ def make_tiny_model(config, out_dir: str | os.PathLike | None = None, seed: int 
     model = auto.from_config(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 param.add_(0.1 * torch.randn_like(param))
             elif name.endswith(".bias"):
                 param.copy_(0.1 * torch.randn_like(param))
             elif name == "score.weight":
                 param.normal_(0.0, 0.5)
+            elif name.endswith("mlp.gate.weight"):  # decisive routing: no near-ties in top-k
+                param.normal_(0.0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     if out_dir is not None:
         model.save_pretrained(Path(out_dir))
     return model
