@@ -111,11 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     ppo.add_argument("--config", help="YAML under configs/ppo/")
     ppo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.ppo_epochs=2")
 
-    tiny = jobs.add_parser("make-tiny-model", help="random tiny Qwen2 LM + tokenizer for the task")
+    tiny = jobs.add_parser("make-tiny-model", help="random tiny LM (any supported family) + tokenizer for the task")
     tiny.add_argument("--data-dir", required=True, help="folder written by tools/make_task_data.py")
     tiny.add_argument("--out-dir", required=True)
     tiny.add_argument("--hidden-size", type=int, default=128)
     tiny.add_argument("--num-layers", type=int, default=4)
+    tiny.add_argument("--family", default="qwen2",
+                      choices=("qwen2", "llama", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
 
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
@@ -133,6 +135,7 @@ def _validate_before_launch(args) -> None:
     if args.job in TRAINERS:
         from megatron_rlhf.checkpoint.model_ckpt import META_FILE
         from megatron_rlhf.config.loader import batch_plan, load_config, validate_training_config
+        from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
 
         config = validate_training_config(load_config(TRAINERS[args.job][0](), args.config,
                                                        args.overrides))
@@ -140,8 +143,8 @@ def _validate_before_launch(args) -> None:
         path = Path(config.model.path)
         arch = (read_checkpoint_info(path).arch if (path / META_FILE).is_file()
                 else read_hf_arch(path))
-        layout = ParallelLayout(tp=config.parallel.tp, pp=config.parallel.pp).resolve(
-            args.nproc_per_node, arch.shape)
+        check_parallel_for_model("parallel", config.parallel, arch)
+        layout = layout_of(config.parallel).resolve(args.nproc_per_node, arch.shape)
         batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank, layout.dp)
         return
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
@@ -209,7 +212,7 @@ def _make_tiny_model(args) -> None:
     texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
                                          table.column("response").to_pylist())]
     out = make_tiny_base(args.out_dir, texts, num_layers=args.num_layers,
-                         hidden_size=args.hidden_size)
+                         hidden_size=args.hidden_size, family=args.family)
     print(f"wrote tiny base model to {out}")
 
 

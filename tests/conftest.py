@@ -15,3 +15,10 @@ def tiny_models(tmp_path_factory):
     from tests.tiny_models import build_all
 
     return build_all(tmp_path_factory.mktemp("tiny_models"))
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    from tests.tiny_models import build_families
+
+    return build_families(tmp_path_factory.mktemp("family_models"))

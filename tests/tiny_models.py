@@ -34,7 +34,39 @@ def build_all(root: str | Path) -> dict[str, Path]:
     return paths
 
 
-def build_task_workspace(root: str | Path, train: int, val: int, seed: int, high: int = 19) -> Path:
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+DSV3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+             "original_max_position_embeddings": 64}
+# name -> (family, tiny_config overrides): the 2026 families, 4 layers (PP=2 splits them)
+FAMILY_MODELS = {
+    "qwen3": ("qwen3", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),
+    "deepseek_v3_yarn": ("deepseek_v3", {"rope_parameters": DSV3_YARN}),
+    "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+}
+
+
+def build_families(root: str | Path) -> dict[str, Path]:
+    """A tiny policy of every family in FAMILY_MODELS under ``root``; name -> folder."""
+    root = Path(root)
+    tokenizer = train_tokenizer(TEXTS, root / "tokenizer", vocab_size=301)
+    paths = {}
+    for index, (name, (family, overrides)) in enumerate(FAMILY_MODELS.items()):
+        config = tiny_config(family, "policy", vocab_size=POLICY_VOCAB,
+                             pad_token_id=tokenizer.pad_token_id, **overrides)
+        paths[name] = root / name
+        make_tiny_model(config, paths[name], seed=10 + index)
+        tokenizer.save_pretrained(paths[name])
+    return paths
+
+
+def build_task_workspace(root: str | Path, train: int, val: int, seed: int, high: int = 19,
+                         family: str = "qwen2") -> Path:
     """Bundled-task Parquet files under ``root/data`` and a tiny base LM under ``root/base``."""
     import pyarrow.parquet as pq
 
@@ -46,5 +78,5 @@ def build_task_workspace(root: str | Path, train: int, val: int, seed: int, high
     table = pq.read_table(root / "data" / "sft_train.parquet")
     texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
                                          table.column("response").to_pylist())]
-    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4)
+    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4, family=family)
     return root

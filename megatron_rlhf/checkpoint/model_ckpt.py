@@ -118,10 +118,11 @@ def read_sharded(wanted: dict, path: Path) -> dict:
 
 
 def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups,
-                          dtype: torch.dtype | None = None):
+                          dtype: torch.dtype | None = None, options=None):
     """Build this rank's model stage under ``groups`` and fill it from the checkpoint, in
-    ``dtype`` (a trainer's configured one) or else the dtype it was saved in."""
-    model = build_model(info.arch, groups, dtype or info.dtype, info.padded_vocab)
+    ``dtype`` (a trainer's configured one) or else the dtype it was saved in; ``options``: the
+    trainer's :class:`~megatron_rlhf.models.megatron_config.ModelOptions`."""
+    model = build_model(info.arch, groups, dtype or info.dtype, info.padded_vocab, options)
     wanted = model.sharded_state_dict()
     state = read_sharded(wanted, info.path)
     # Training checkpoints also hold optimizer state; only the model's entries are wanted here.

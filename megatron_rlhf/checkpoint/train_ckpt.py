@@ -51,10 +51,17 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# megatron-core 0.16.1's default distributed-optimizer format (fully_sharded_model_space) is
+# refused by its own torch_dist writer ("flattened_range is not supported"); fully_reshardable
+# also lets a resume change TP/PP/EP, not only DP.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _sharded_state(trainable: Trainable, loading: bool) -> dict:
     model_state = trainable.module.sharded_state_dict()
     return {"model": model_state,
-            "optimizer": trainable.optimizer.sharded_state_dict(model_state, is_loading=loading)}
+            "optimizer": trainable.optimizer.sharded_state_dict(model_state, is_loading=loading,
+                                                                metadata=_OPTIMIZER_FORMAT)}
 
 
 def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainable, meta: dict,

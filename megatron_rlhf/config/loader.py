@@ -10,6 +10,7 @@ from typing import TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.schema import RMConfig, SFTConfig
 from megatron_rlhf.errors import UserError
 
@@ -156,4 +157,5 @@ def validate_training_config(config):
     for name, (value, allowed) in choices.items():
         if value not in allowed:
             raise UserError(f"config: {name}={value!r} must be one of {', '.join(allowed)}")
+    check_parallel("parallel", config.parallel, config.model.moe)
     return config

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
 from megatron_rlhf.config.loader import check_optim, check_positive
+from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 
@@ -61,6 +62,9 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("actor.dtype", a.dtype, ("auto", "float32", "bfloat16"))
     _choice("rollout.backend", r.backend, ("hf", "sglang"))
     _choice("resource_pool.critic", cfg.resource_pool.critic, ("shared", "separate"))
+    check_parallel("actor.parallel", a.parallel, a.moe)
+    if cfg.critic.parallel is not None:
+        check_parallel("critic.parallel", cfg.critic.parallel, cfg.critic.moe)
     _choice("trainer.logger", t.logger, ("tensorboard", "console"))
     _choice("trainer.resume", t.resume, ("auto", "disable"))
     if alg.adv_estimator in ("grpo", "rloo") and r.n < 2:

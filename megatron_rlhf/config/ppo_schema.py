@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_rlhf.config.schema import OptimConfig, ParallelConfig, TrainerConfig
+from megatron_rlhf.config.schema import MoEConfig, OptimConfig, ParallelConfig, TrainerConfig
 
 
 @dataclass
@@ -81,6 +81,8 @@ class ActorConfig:
     The reference model is the same weights, frozen."""
     dtype: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts training settings (also used by the reference model's layout)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps_ratio=0.0))
     ppo_mini_batch_size: int = 64
     """Samples per optimizer step, global."""
@@ -108,6 +110,8 @@ class CriticConfig:
     model_path: Optional[str] = None
     """Value model: HF LM / classifier / reward-model checkpoint; default the actor's start."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps_ratio=0.0))
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts settings of the critic (and the reward model in its group)."""
     cliprange_value: float = 0.5
     """Clip of the new value around the old one, in reward units (0 disables)."""
     ppo_epochs: Optional[int] = None

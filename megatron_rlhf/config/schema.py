@@ -11,12 +11,29 @@ from typing import Optional
 
 
 @dataclass
+class MoEConfig:
+    """Training settings of mixture-of-experts models (ignored by dense ones)."""
+
+    aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss added to the objective (0: off)."""
+    load_balancing: str = "aux_loss"
+    """``aux_loss`` (over the micro-batch's tokens) or ``seq_aux_loss`` (per sequence)."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss, ``mean(logsumexp(router logits)^2)`` (0: off)."""
+    expert_bias_update_rate: float = 1e-3
+    """Routers with an expert bias (DeepSeek-V3): bias step toward balance per optimizer step."""
+    token_dispatcher: str = "alltoall"
+    """How tokens reach their experts across expert-parallel ranks: ``alltoall`` or ``allgather``."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "???"
     """HF folder (``*ForCausalLM`` to start a reward model from an LM, or
     ``*ForSequenceClassification``) or a megatron_rlhf checkpoint folder."""
     dtype: str = "auto"
     """Parameter dtype: ``auto`` (float32 on CPU, bfloat16 on GPU), float32, bfloat16."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -25,6 +42,26 @@ class ParallelConfig:
     """Tensor-parallel size."""
     pp: int = 1
     """Pipeline-parallel size. Data-parallel size is whatever the world size leaves."""
+    ep: int = 1
+    """Expert-parallel size (MoE): each of ``ep`` ranks holds ``num_experts / ep`` experts. The
+    experts of a pipeline stage are spread over its ``tp * dp`` ranks."""
+    etp: int = 1
+    """Expert tensor-parallel size: ranks splitting each expert's matrices (1: whole experts)."""
+    sequence_parallel: bool = False
+    """Split activations along the sequence over the TP ranks outside attention and MLP
+    matmuls (needs tp > 1; MoE models with tp > 1 require it)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state and fp32 main weights over data-parallel ranks (ZeRO-1)."""
+    recompute_granularity: Optional[str] = None
+    """Activation recompute: ``full`` (whole layers) or ``selective`` (``recompute_modules``)."""
+    recompute_method: Optional[str] = None
+    """Full recompute: ``uniform`` (chunks of ``recompute_num_layers``, the default) or ``block``
+    (the first ``recompute_num_layers`` layers of each stage)."""
+    recompute_num_layers: Optional[int] = None
+    """Full recompute: layers per chunk (uniform) or per stage (block); default 1."""
+    recompute_modules: Optional[list[str]] = None
+    """Selective recompute: any of core_attn, mlp, moe, shared_experts, layernorm, mla_up_proj
+    (default core_attn)."""
 
 
 @dataclass

@@ -24,16 +24,46 @@ def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return tokens, lengths
 
 
+def _config(model):
+    return getattr(model, "config", None) or model.module.config
+
+
+def sequence_multiple(model) -> int:
+    """Sequence parallelism splits the sequence over TP ranks: lengths must divide by TP."""
+    config = _config(model)
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _pad_sequence(tokens: torch.Tensor, mask: torch.Tensor | None, extra: int):
+    """Right-pad ``extra`` positions. They see only themselves (a row with no visible key would
+    softmax to NaN, and NaN times a zero gradient is still NaN); real positions never see them."""
+    tokens = torch.nn.functional.pad(tokens, (0, extra))
+    if mask is not None:
+        length = mask.shape[-1]
+        mask = torch.nn.functional.pad(mask, (0, extra, 0, extra), value=True)
+        own = torch.arange(length, length + extra, device=mask.device)
+        mask[..., own, own] = False
+    return tokens, mask
+
+
 def model_forward(model, batch: dict) -> torch.Tensor:
     """Run one stage of ``model`` on ``batch`` (``input_ids [b, t]``, optional ``attention_mask``).
 
     Positions are 0..t-1 for every row; for packed rows that is fine because RoPE attention only
-    sees relative positions within a sequence.
+    sees relative positions within a sequence. Under sequence parallelism the rows are padded
+    to a multiple of TP and the last stage's output is cut back to ``t``.
     """
     tokens = batch["input_ids"].to(device())
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     mask = batch.get("attention_mask")
-    return model(tokens, positions, attention_mask=None if mask is None else mask.to(device()))
+    mask = None if mask is None else mask.to(device())
+    length = tokens.shape[1]
+    extra = -length % sequence_multiple(model)
+    if extra:
+        tokens, mask = _pad_sequence(tokens, mask, extra)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    output = model(tokens, positions, attention_mask=mask)
+    stage = getattr(model, "module", model)
+    return output[:, :length] if extra and stage.post_process else output
 
 
 def run_schedule(model, groups: ParallelGroups, micro_batches: list[dict], forward_step,
@@ -51,13 +81,18 @@ def run_schedule(model, groups: ParallelGroups, micro_batches: list[dict], forwa
         data_iterator=iter(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
-        seq_length=max(b["input_ids"].shape[1] for b in micro_batches),
+        seq_length=_round_up(max(b["input_ids"].shape[1] for b in micro_batches),
+                             sequence_multiple(model)),
         micro_batch_size=max(b["input_ids"].shape[0] for b in micro_batches),
         forward_only=forward_only,
         collect_non_loss_data=forward_only,
         pg_collection=groups.collection,
         **extra,
     )
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 @torch.no_grad()

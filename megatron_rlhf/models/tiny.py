@@ -115,11 +115,13 @@ def make_tiny_model(config, out_dir: str | os.PathLike | None = None, seed: int 
 
 
 def make_tiny_base(out_dir: str | os.PathLike, texts: list[str], vocab_size: int = 400,
-                   num_layers: int = 4, hidden_size: int = 128, seed: int = 0) -> Path:
-    """A random tiny Qwen2 causal LM with a tokenizer trained on ``texts``: the demo's base model."""
+                   num_layers: int = 4, hidden_size: int = 128, seed: int = 0,
+                   family: str = "qwen2") -> Path:
+    """A random tiny causal LM of ``family`` with a tokenizer trained on ``texts``: the demo's
+    base model (Qwen2), or any supported family's for tests."""
     out = Path(out_dir)
     tokenizer = train_tokenizer(texts, out, vocab_size=vocab_size)
-    config = tiny_config("qwen2", "policy", vocab_size=len(tokenizer), num_layers=num_layers,
+    config = tiny_config(family, "policy", vocab_size=len(tokenizer), num_layers=num_layers,
                          hidden_size=hidden_size, pad_token_id=tokenizer.pad_token_id)
     config.eos_token_id = tokenizer.eos_token_id
     make_tiny_model(config, out, seed=seed)

@@ -7,12 +7,17 @@ backend behind the same protocol.
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
 
 from megatron_rlhf.distributed.platform import bridge_suspended
 from megatron_rlhf.rollout.base import Generation, SamplingParams
+
+
+# A checkpoint's per-expert weight (transformers 5 saves experts one by one, fuses them in memory).
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 class HFGenerator:
@@ -33,7 +38,10 @@ class HFGenerator:
         self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
         self._params = dict(self.model.named_parameters())
         self._shapes = {n: _local(p).shape for n, p in self._params.items()}
-        self._tied = {n for n in self.model.state_dict() if n not in self._params}
+        state = self.model.state_dict()
+        # Weights that are buffers (DeepSeek-V3's e_score_correction_bias): small, kept resident.
+        self._buffers = {n: b for n, b in self.model.named_buffers() if n in state}
+        self._tied = {n for n in state if n not in self._params and n not in self._buffers}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take each tensor's values. A contiguous tensor of the right dtype and device is adopted
@@ -43,6 +51,11 @@ class HFGenerator:
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._params.get(name)
+                if param is None and name in self._buffers:
+                    _local(self._buffers[name]).copy_(_local_shard(self._buffers[name], tensor))
+                    continue
+                if param is None and self._load_expert(name, tensor):
+                    continue
                 if param is None:
                     if name in self._tied:
                         continue  # a tied alias of a parameter loaded under its own name
@@ -55,6 +68,27 @@ class HFGenerator:
                     param.data = tensor.detach()
                 else:
                     _local(param).copy_(_local_shard(param, tensor))
+
+    def _load_expert(self, name: str, tensor: torch.Tensor) -> bool:
+        """A checkpoint's per-expert tensor into transformers' fused expert parameters
+        (``experts.gate_up_proj [E, 2I, H]`` holds gate then up; ``experts.down_proj [E, H, I]``);
+        False when ``name`` is no such tensor."""
+        match = _EXPERT.fullmatch(name)
+        if match is None:
+            return False
+        prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+        fused = self._params.get(f"{prefix}.{'down_proj' if kind == 'down' else 'gate_up_proj'}")
+        if fused is None or _is_dtensor(fused):
+            return False
+        target = fused[expert]
+        if kind != "down":
+            half = target.shape[0] // 2
+            target = target[:half] if kind == "gate" else target[half:]
+        if target.shape != tensor.shape:
+            raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the engine "
+                             f"expects {tuple(target.shape)}")
+        target.copy_(tensor)
+        return True
 
     def release_memory(self) -> None:
         """Drop the weight storage (this rank's shard of each DTensor with ``tp_size > 1``)."""

@@ -2,9 +2,10 @@
 
 The actor's parameters are cut into fixed-size buckets, each bucket owned by one pipeline stage.
 For every bucket the owner stage all-gathers each TP-cut tensor over the TP group straight into
-its full layout (replicated tensors need no collective), renames the tensors to Hugging Face
-names and, with PP > 1, packs them into one flat buffer broadcast from the owner stage to the
-other stages. Every rank then hands the bucket's tensors to its own generator replica (which
+its full layout (replicated tensors need no collective) and each routed expert's tensor over the
+expert-parallel group (every EP rank holds other experts under the same local name), renames
+the tensors to Hugging Face names and, with PP > 1, packs them into one flat buffer broadcast
+from the owner stage to the other stages. Every rank then hands the bucket's tensors to its own generator replica (which
 keeps its TP shard of them). Data-parallel replicas each feed their own generator, so nothing
 crosses DP groups. At any time a rank holds at most one extra bucket (plus its gathered shards).
 """
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from megatron_rlhf.convert.mapping import (REPLICATED, ROWS, layer_offsets, mapped_parameters, rule_for,
                                            tp_unshard)
 from megatron_rlhf.distributed.layout import ParallelGroups
+from megatron_rlhf.models.builder import uses_transformer_engine
 from megatron_rlhf.models.hf_config import ModelArch
 
 
@@ -31,10 +33,24 @@ class Entry:
     name: str  # Megatron name, local to its stage
     local_shape: tuple[int, ...]  # this TP rank's shard
     hf: tuple[tuple[str, tuple[int, ...]], ...]  # (HF name, full shape) per produced tensor
+    expert: bool = False  # a routed expert's: ``hf`` lists every EP rank's expert in rank order
 
     @property
     def hf_numel(self) -> int:
         return sum(_numel(shape) for _, shape in self.hf)
+
+
+def _gather_cut(local: torch.Tensor, cut: str, group, size: int) -> torch.Tensor:
+    """The full tensor from every rank's ``cut`` piece, gathered straight into its layout: for a
+    row cut the gather buffer already is the full tensor (no packing or unsharding copy)."""
+    if size == 1 or cut == REPLICATED:
+        return local
+    full = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                       device=local.device)
+    dist.all_gather_single(full, local.contiguous(), group=group)
+    if cut != ROWS:
+        full = tp_unshard(list(full.view(size, *local.shape).unbind(0)), cut)
+    return full
 
 
 def _numel(shape) -> int:
@@ -54,6 +70,8 @@ class WeightSync:
         self.dtype = next(model.parameters()).dtype
         self.bucket_bytes = max(int(bucket_bytes), 1)
         self._offsets = layer_offsets(model)
+        self._local_spec = not uses_transformer_engine()
+        self._experts_per_rank = arch.moe.num_experts // groups.layout.ep if arch.moe else 0
         # Optimizer steps update these tensors in place, so the map stays valid across syncs.
         self._params = dict(mapped_parameters(model))
         mine = [self._entry(name, param) for name, param in self._params.items()]
@@ -62,12 +80,19 @@ class WeightSync:
         self.buckets = self._plan([e for stage in stages for e in stage])
         self._pp_ranks = dist.get_process_group_ranks(groups.pp) if groups.layout.pp > 1 else None
 
+    def _rule(self, name: str, ep_rank: int):
+        return rule_for(name, self.arch, self.padded_vocab, self._offsets,
+                        expert_offset=ep_rank * self._experts_per_rank, local_spec=self._local_spec)
+
     def _entry(self, name: str, param: torch.Tensor) -> Entry:
-        rule = rule_for(name, self.arch, self.padded_vocab, self._offsets)
-        full = tp_unshard([torch.empty(param.shape, device="meta")] * self.groups.layout.tp,
-                          rule.tp_cut)
-        hf = tuple((n, tuple(t.shape)) for n, t in zip(rule.hf_names, rule.split(full)))
-        return Entry(self.groups.pp_rank, name, tuple(param.shape), hf)
+        rule = self._rule(name, 0)
+        layout = self.groups.layout
+        pieces = layout.etp if rule.expert else layout.tp
+        full = tp_unshard([torch.empty(param.shape, device="meta")] * pieces, rule.tp_cut)
+        owners = range(layout.ep) if rule.expert else [0]
+        hf = tuple((n, tuple(t.shape)) for r in owners
+                   for n, t in zip(self._rule(name, r).hf_names, rule.split(full)))
+        return Entry(self.groups.pp_rank, name, tuple(param.shape), hf, rule.expert)
 
     def _plan(self, entries: list[Entry]) -> list[list[Entry]]:
         """Consecutive entries of one stage, up to ``bucket_bytes`` (a bigger tensor goes alone).
@@ -101,18 +126,25 @@ class WeightSync:
         an unsharding copy is written (one full-bucket memory pass each; the sync is bound by
         memory bandwidth). Replicated tensors are not gathered at all.
         """
-        tp, named = self.groups.layout.tp, []
+        named = []
         for entry in bucket:
             local = self._params[entry.name].detach()
-            rule = rule_for(entry.name, self.arch, self.padded_vocab, self._offsets)
-            full = local
-            if tp > 1 and rule.tp_cut != REPLICATED:
-                full = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype,
-                                   device=local.device)
-                dist.all_gather_single(full, local.contiguous(), group=self.groups.tp)
-                if rule.tp_cut != ROWS:
-                    full = tp_unshard(list(full.view(tp, *local.shape).unbind(0)), rule.tp_cut)
-            named += [(n, t) for (n, _), t in zip(entry.hf, rule.split(full))]
+            rule = self._rule(entry.name, 0)
+            if entry.expert:
+                group, size = self.groups.etp, self.groups.layout.etp
+            else:
+                group, size = self.groups.tp, self.groups.layout.tp
+            full = _gather_cut(local, rule.tp_cut, group, size)
+            if entry.expert and self.groups.layout.ep > 1:
+                ep = self.groups.layout.ep
+                every = torch.empty((ep * full.shape[0], *full.shape[1:]), dtype=full.dtype,
+                                    device=full.device)
+                dist.all_gather_into_tensor(every, full.contiguous(), group=self.groups.ep)
+                tensors = [t for expert in every.view(ep, *full.shape).unbind(0)
+                           for t in rule.split(expert)]
+            else:
+                tensors = rule.split(full)
+            named += [(n, t) for (n, _), t in zip(entry.hf, tensors)]
         return named
 
     def _broadcast(self, bucket: list[Entry], named: list | None) -> list[tuple[str, torch.Tensor]]:

@@ -20,6 +20,7 @@ from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, platform_is_cpu
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import model_forward, run_schedule
+from megatron_rlhf.trainer.moe_metrics import MoEMonitor
 
 
 def training_dtype(name: str) -> torch.dtype:
@@ -54,14 +55,17 @@ class Trainable:
     optimizer: Any  # megatron MegatronOptimizer
     scheduler: Any  # megatron OptimizerParamScheduler
     groups: ParallelGroups
+    moe: MoEMonitor | None = None  # routing statistics of a mixture-of-experts model
 
     @property
     def module(self):
         return self.model.module
 
 
-def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_steps: int) -> Trainable:
-    """Wrap ``model`` in megatron DDP and build Adam + warm-up/cosine schedule over ``total_steps``."""
+def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_steps: int,
+                   distributed_optimizer: bool = False) -> Trainable:
+    """Wrap ``model`` in megatron DDP and build Adam + warm-up/cosine schedule over ``total_steps``;
+    ``distributed_optimizer`` shards optimizer state and main weights over data-parallel ranks."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -70,7 +74,8 @@ def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_step
     config = model.config
     ddp = DistributedDataParallel(
         config,
-        DistributedDataParallelConfig(grad_reduce_in_fp32=True, check_for_nan_in_grad=False),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, check_for_nan_in_grad=False,
+                                      use_distributed_optimizer=distributed_optimizer),
         model,
         pg_collection=groups.collection,
     )
@@ -78,7 +83,8 @@ def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_step
         OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr,
                         weight_decay=optim.weight_decay, adam_beta1=optim.betas[0],
                         adam_beta2=optim.betas[1], adam_eps=optim.eps, clip_grad=optim.clip_grad,
-                        bf16=config.bf16, params_dtype=config.params_dtype),
+                        bf16=config.bf16, params_dtype=config.params_dtype,
+                        use_distributed_optimizer=distributed_optimizer),
         [ddp],
         use_gloo_process_groups=False,
         pg_collection=groups.collection,
@@ -94,7 +100,8 @@ def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_step
     config.no_sync_func = ddp.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    return Trainable(ddp, optimizer, scheduler, groups)
+    monitor = MoEMonitor(model, groups) if config.num_moe_experts else None
+    return Trainable(ddp, optimizer, scheduler, groups, monitor)
 
 
 @dataclass
@@ -102,6 +109,7 @@ class StepResult:
     metrics: list[dict]  # per micro-batch, last pipeline stage only ([] elsewhere)
     grad_norm: float
     lr: float
+    moe: dict[str, float]  # the step's ``moe/*`` scalars (every rank; empty for dense models)
 
 
 def train_step(trainable: Trainable, micro_batches: list[dict],
@@ -138,7 +146,8 @@ def train_step(trainable: Trainable, micro_batches: list[dict],
         raise UserError(f"gradient norm is {grad_norm}")
     trainable.scheduler.step(increment=1)
     grad_norm = 0.0 if grad_norm is None else float(grad_norm)
-    return StepResult(list(metrics) if groups.is_last_stage else [], grad_norm, lr)
+    moe = trainable.moe.collect(len(micro_batches)) if trainable.moe is not None else {}
+    return StepResult(list(metrics) if groups.is_last_stage else [], grad_norm, lr, moe)
 
 
 def set_lr_scale(trainable: Trainable, optim: OptimConfig, scale: float) -> None:

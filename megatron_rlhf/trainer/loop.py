@@ -185,7 +185,7 @@ def fit(run: Run) -> dict[str, float]:
         step += 1
         logger.count(sums["count"], sums["tokens"])
         last = {**run.summarize(sums, "train"), "train/lr": result.lr,
-                "train/grad_norm": result.grad_norm}
+                "train/grad_norm": result.grad_norm, **result.moe}
         if not math.isfinite(last["train/loss"]):
             raise UserError(f"training loss is {last['train/loss']} at step {step}; stopped without "
                             f"saving (checkpoints in {out / 'checkpoints'} are untouched)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.config.ppo_schema import PPOConfig
-from megatron_rlhf.distributed.layout import ParallelLayout
+from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, kl_controller, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages
@@ -71,7 +71,8 @@ def setup(cfg: PPOConfig) -> PPORun:
     validate_ppo_config(cfg)
     arch, hf_dir = policy_files(cfg.actor.model_path)
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    layout = ParallelLayout(tp=cfg.actor.parallel.tp, pp=cfg.actor.parallel.pp).resolve(world, arch.shape)
+    check_parallel_for_model("actor.parallel", cfg.actor.parallel, arch)
+    layout = layout_of(cfg.actor.parallel).resolve(world, arch.shape)
     check_layout(cfg, world, layout.dp)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
@@ -121,7 +122,7 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
     if separate:
         size = cfg.resource_pool.critic_world_size
         par = cfg.critic.parallel or cfg.actor.parallel
-        critic_layout = ParallelLayout(tp=par.tp, pp=par.pp).resolve(size, arch.shape)
+        critic_layout = layout_of(par).resolve(size, arch.shape)
         check_layout(cfg, size, critic_layout.dp, generates=False)
         critic = WorkerGroup("critic", size, use_gpu, threads)
         critic.build(PPOWorker, cfg, ("critic",), critic_layout, updates)

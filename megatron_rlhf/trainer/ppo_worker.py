@@ -16,6 +16,7 @@ import torch
 from megatron_rlhf.algorithms.ppo import nonempty_rows
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.config.loader import batch_plan
+from megatron_rlhf.config.parallel import model_options
 from megatron_rlhf.config.ppo_checks import uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
@@ -56,7 +57,7 @@ def policy_files(path: str):
     return read_hf_arch(path), Path(path)
 
 
-def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype):
+def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype, options=None):
     """(model, arch, hf_dir, padded vocab) from an HF causal LM or a megatron_rlhf checkpoint."""
     from pathlib import Path
 
@@ -64,12 +65,13 @@ def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype):
         info = read_checkpoint_info(path)
         if info.arch.kind != "policy":
             raise UserError(f"actor.model_path: {path} holds a {info.arch.kind} checkpoint")
-        return load_model_checkpoint(info, groups, dtype), info.arch, info.hf_dir, info.padded_vocab
+        return (load_model_checkpoint(info, groups, dtype, options), info.arch, info.hf_dir,
+                info.padded_vocab)
     arch = read_hf_arch(path)
     if arch.kind != "policy":
         raise UserError(f"actor.model_path: {path} is a {arch.kind} model, not a causal LM")
     padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
-    model = build_model(arch, groups, dtype, padded)
+    model = build_model(arch, groups, dtype, padded, options)
     load_hf_weights(model, HFReader(path), arch, groups, padded, progress=False)
     return model, arch, Path(path), padded
 
@@ -117,14 +119,16 @@ class PPOWorker:
         from megatron_rlhf.rollout.weight_sync import WeightSync
 
         cfg = self.config
+        options = model_options(cfg.actor.parallel, cfg.actor.moe)
         model, self.arch, self.hf_dir, self.padded = load_policy(cfg.actor.model_path, self.groups,
-                                                                 self.dtype)
+                                                                 self.dtype, options)
         self.ref = None
         if uses_reference(cfg):
-            self.ref = load_policy(cfg.actor.model_path, self.groups, self.dtype)[0].eval()
+            self.ref = load_policy(cfg.actor.model_path, self.groups, self.dtype, options)[0].eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
-        self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates)
+        self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates,
+                                    cfg.actor.parallel.use_distributed_optimizer)
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, local_files_only=True)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir, local_files_only=True)
         self.pad_id = pad_id(self.tokenizer)
@@ -136,12 +140,15 @@ class PPOWorker:
 
     def _build_critic(self, total_updates: int) -> None:
         cfg = self.config
+        parallel = cfg.critic.parallel or cfg.actor.parallel
+        options = model_options(parallel, cfg.critic.moe)
         self.critic = None  # group baselines (GRPO, RLOO) need no value model
         if cfg.algorithm.adv_estimator == "gae":
             source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path,
                                           self.groups.layout)
-            model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed)
-            self.critic = make_trainable(model, self.groups, cfg.critic.optim, total_updates)
+            model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed, options)
+            self.critic = make_trainable(model, self.groups, cfg.critic.optim, total_updates,
+                                         parallel.use_distributed_optimizer)
             self.critic_meta = source
         self.rm = None
         if cfg.reward.model_path:
@@ -149,7 +156,8 @@ class PPOWorker:
             if not rm_source.is_checkpoint and rm_source.from_lm:
                 raise UserError(f"reward.model_path: {cfg.reward.model_path} is a causal LM, not a "
                                 "reward model (train one with `megatron-rlhf train-rm`)")
-            self.rm = build_value_model(rm_source, self.groups, self.dtype, cfg.trainer.seed).eval()
+            self.rm = build_value_model(rm_source, self.groups, self.dtype, cfg.trainer.seed,
+                                        options).eval()
 
     def info(self) -> dict:
         """What the driver needs to know about this rank."""
@@ -251,8 +259,8 @@ class PPOWorker:
                                       self.pack_capacity)
                 # Inf/NaN comes back as metrics: the driver's guard rolls the step back.
                 result = train_step(trainable, micro, loss, raise_on_nonfinite=False)
-                sums.append(reduce_metrics(result.metrics, g, keys) | {"grad_norm": result.grad_norm,
-                                                                        "lr": result.lr})
+                sums.append(reduce_metrics(result.metrics, g, keys)
+                            | {"grad_norm": result.grad_norm, "lr": result.lr, **result.moe})
         return sums
 
     def update_actor(self, batch: dict, step: int, kl_loss_coef: float) -> dict:
@@ -344,7 +352,7 @@ def _average(sums: list[dict], prefix: str) -> dict:
     for key in sums[0]:
         if key in ("tokens", "count", "loss_denominator"):
             continue
-        if key in ("grad_norm", "lr"):
+        if key in ("grad_norm", "lr") or key.startswith("moe/"):
             out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / len(sums)
         else:
             out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / (denominator if key in LOSSES else tokens)

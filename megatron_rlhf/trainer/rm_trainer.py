@@ -16,12 +16,13 @@ import torch.distributed as dist
 from megatron_rlhf.algorithms.bradley_terry import bradley_terry_loss, pair_metrics
 from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_rm_config
+from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
 from megatron_rlhf.config.schema import RMConfig
 from megatron_rlhf.data.packing import pack_sequences
 from megatron_rlhf.data.preference import TokenizedPair, load_pairs
 from megatron_rlhf.data.chat import pad_id
 from megatron_rlhf.distributed.launch import discover_rank, init_distributed
-from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
+from megatron_rlhf.distributed.layout import ParallelGroups, build_parallel_groups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
@@ -136,8 +137,9 @@ def setup(config: RMConfig) -> Run:
     from transformers import AutoTokenizer
 
     validate_rm_config(config)
-    layout = ParallelLayout(tp=config.parallel.tp, pp=config.parallel.pp)
+    layout = layout_of(config.parallel)
     source = resolve_value_source(config.model.path, layout)
+    check_parallel_for_model("parallel", config.parallel, source.arch)
     layout.resolve(discover_rank().world_size, source.arch.shape)  # before any group exists
     tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
     config.data.use_remove_padding = packing_supported(
@@ -155,8 +157,9 @@ def setup(config: RMConfig) -> Run:
     if config.trainer.max_steps:
         total = min(total, config.trainer.max_steps)
     model = build_value_model(source, groups, training_dtype(config.model.dtype),
-                              config.trainer.seed)
-    trainable = make_trainable(model, groups, config.optim, total)
+                              config.trainer.seed, model_options(config.parallel, config.model.moe))
+    trainable = make_trainable(model, groups, config.optim, total,
+                               config.parallel.use_distributed_optimizer)
     hf_config, export_tokenizer = reward_model_hf_config(source, tokenizer)
     meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
     root = Path(config.trainer.output_dir) / "checkpoints"

@@ -17,6 +17,7 @@ import torch
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_sft_config
+from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
 from megatron_rlhf.config.schema import SFTConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
 from megatron_rlhf.convert.hf_io import HFReader
@@ -123,8 +124,9 @@ def setup(config: SFTConfig) -> Run:
     from transformers import AutoConfig, AutoTokenizer
 
     validate_sft_config(config)
-    layout = ParallelLayout(tp=config.parallel.tp, pp=config.parallel.pp)
+    layout = layout_of(config.parallel)
     arch, hf_dir, checkpoint, padded = _policy(config.model.path, layout)
+    check_parallel_for_model("parallel", config.parallel, arch)
     layout.resolve(discover_rank().world_size, arch.shape)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     config.data.use_remove_padding = packing_supported(
@@ -141,12 +143,14 @@ def setup(config: SFTConfig) -> Run:
     total = steps_per_epoch * config.trainer.total_epochs
     total = min(total, config.trainer.max_steps) if config.trainer.max_steps else total
     dtype = training_dtype(config.model.dtype)
+    options = model_options(config.parallel, config.model.moe)
     if checkpoint is not None:
-        model = load_model_checkpoint(checkpoint, groups, dtype)
+        model = load_model_checkpoint(checkpoint, groups, dtype, options)
     else:
-        model = build_model(arch, groups, dtype, padded)
+        model = build_model(arch, groups, dtype, padded, options)
         load_hf_weights(model, HFReader(hf_dir), arch, groups, padded, progress=False)
-    trainable = make_trainable(model, groups, config.optim, total)
+    trainable = make_trainable(model, groups, config.optim, total,
+                               config.parallel.use_distributed_optimizer)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     meta = {"kind": "policy", "family": arch.family, "padded_vocab": padded}
     root = Path(config.trainer.output_dir) / "checkpoints"

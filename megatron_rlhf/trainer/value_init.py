@@ -46,11 +46,12 @@ def resolve_value_source(path: str, layout: ParallelLayout) -> ValueSource:
                        padded_vocab_size(arch.vocab_size, layout.tp))
 
 
-def build_value_model(source: ValueSource, groups: ParallelGroups, dtype: torch.dtype, seed: int):
+def build_value_model(source: ValueSource, groups: ParallelGroups, dtype: torch.dtype, seed: int,
+                      options=None):
     """This rank's stage of the value model, with weights from ``source``."""
     if source.is_checkpoint:
-        return load_model_checkpoint(read_checkpoint_info(source.path), groups, dtype)
-    model = build_model(source.arch, groups, dtype, source.padded_vocab)
+        return load_model_checkpoint(read_checkpoint_info(source.path), groups, dtype, options)
+    model = build_model(source.arch, groups, dtype, source.padded_vocab, options)
     skip, unused = (), ()
     if source.from_lm:
         skip = ("output_layer.weight",)

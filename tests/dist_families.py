@@ -1,0 +1,108 @@
+"""Parity scenarios of the 2026 families (Qwen3, Qwen2/3-MoE, DeepSeek-V3, Llama 3.x RoPE), run
+once under torchrun (4 ranks) by tests/test_families.py.
+
+Logits of every family under TP=2, PP=2 and, for MoE models, EP=2, EP=4 and TP=2 x EP=2 against
+transformers; EP layouts against EP=1; the weight sync at EP=2 (and TP2 x EP2, PP2 x EP2): the
+engine's log-probs of its own generations after one sync against the trainer's.
+Usage: torchrun --nproc-per-node 4 tests/dist_families.py MODELS_ROOT OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dist_parity import from_hf, logits_of, max_over_world  # noqa: E402
+from dist_weight_sync import gap, perturb  # noqa: E402
+
+from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
+from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
+from megatron_rlhf.rollout.base import SamplingParams  # noqa: E402
+from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
+from megatron_rlhf.rollout.weight_sync import WeightSync  # noqa: E402
+
+# (tp, pp, dp, ep); dp is what the 4 ranks leave
+DENSE = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+EXPERTS = {"ep2": (1, 1, None, 2), "ep4": (1, 1, None, 4), "tp2ep2": (2, 1, None, 2)}
+LAYOUTS = {
+    "qwen3": DENSE, "llama3_rope": DENSE,
+    "qwen2_moe": {**DENSE, **EXPERTS}, "qwen3_moe": {**DENSE, **EXPERTS},
+    "deepseek_v3": {**DENSE, **EXPERTS},
+    "deepseek_v3_no_q_lora": {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 1, None, 2)},
+    "deepseek_v3_yarn": {"tp1": (1, 1), "tp2": (2, 1)},
+}
+# name -> (model, layout, generator tp)
+SYNCS = {"qwen3_moe_ep2": ("qwen3_moe", (1, 1, None, 2)),
+         "deepseek_v3_tp2ep2": ("deepseek_v3", (2, 1, None, 2)),
+         "qwen2_moe_pp2ep2": ("qwen2_moe", (1, 2, None, 2))}
+PROMPTS = [[5, 17, 33, 8, 90], [44, 2, 61, 7, 19, 23, 120, 3, 77], [12, 9, 200]]
+
+
+def broadcast_logits(logits, shape):
+    """The last stage's logits on every rank (any rank can then compare layouts)."""
+    owner = torch.tensor([float(logits is not None)])
+    flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, owner)
+    buffer = logits.contiguous() if logits is not None else torch.zeros(shape)
+    dist.broadcast(buffer, src=[i for i, f in enumerate(flags) if f.item() == 1.0][0])
+    return buffer
+
+
+def logits_parity(root: Path, results: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    # 150 tokens: past the 64-token original context of the scaled RoPE variants
+    tokens = torch.randint(0, 250, (2, 150), generator=torch.Generator().manual_seed(0))
+    for name, layouts in LAYOUTS.items():
+        hf = AutoModelForCausalLM.from_pretrained(root / name).eval()
+        with torch.no_grad():
+            reference = hf(tokens).logits
+        single = None
+        for label, layout in layouts.items():
+            model, groups, arch = from_hf(root / name, layout)
+            logits = broadcast_logits(logits_of(model, groups, tokens, arch.vocab_size),
+                                      reference.shape)
+            results[f"logits/{name}/{label}"] = (logits - reference).abs().max().item()
+            if label == "tp1":
+                single = logits
+            elif "ep" in label:
+                results[f"ep_vs_ep1/{name}/{label}"] = (logits - single).abs().max().item()
+
+
+def sync_parity(root: Path, results: dict) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for label, (name, layout) in SYNCS.items():
+        model, groups, arch = from_hf(root / name, layout)
+        perturb(model)
+        padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
+        engine = HFGenerator(str(root / name), torch.float32, pad_id=0, eos_id=1)
+        before = gap(model, groups, arch, engine.generate(PROMPTS, params))
+        sync = WeightSync(model, arch, groups, padded, 64 * 2 ** 10)
+        stats = sync.sync(engine.load_weights)
+        after = gap(model, groups, arch, engine.generate(PROMPTS, params))
+        results[f"sync/{label}"] = max_over_world(after)
+        results[f"sync_before/{label}"] = max_over_world(before)
+        results[f"sync_buckets/{label}"] = stats["buckets"]
+
+
+def main() -> None:
+    root, out = Path(sys.argv[1]), Path(sys.argv[2])
+    init_distributed()
+    results: dict[str, float] = {}
+    logits_parity(root, results)
+    sync_parity(root, results)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

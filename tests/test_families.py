@@ -1,0 +1,89 @@
+"""The 2026 families against transformers: Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 (with and
+without q-LoRA, with YaRN), Llama 3.x RoPE scaling; TP/PP/EP layouts, EP vs EP=1, and the weight
+sync of experts across EP ranks (4 gloo ranks, one launch)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.dist_families import LAYOUTS
+from tests.tiny_models import FAMILY_MODELS
+from tests.torchrun import torchrun_results
+
+SCRIPT = Path(__file__).with_name("dist_families.py")
+TOLERANCE = 1e-4  # fp32, as the acceptance asks; observed ~2e-7
+MOE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def families(family_models, tmp_path_factory):
+    work = tmp_path_factory.mktemp("families")
+    root = next(iter(family_models.values())).parent
+    return torchrun_results(SCRIPT, 4, root, out=work / "results.json")
+
+
+@pytest.mark.parametrize("model, layout", [(m, label) for m in FAMILY_MODELS for label in LAYOUTS[m]])
+def test_logits_match_transformers(families, model, layout):
+    assert 0 <= families[f"logits/{model}/{layout}"] < TOLERANCE
+
+
+@pytest.mark.parametrize("model", MOE)
+@pytest.mark.parametrize("layout", ["ep2", "ep4", "tp2ep2"])
+def test_expert_parallel_equals_ep1(families, model, layout):
+    # Same tokens, same experts, only where they run: fp32 rounding at most.
+    assert 0 <= families[f"ep_vs_ep1/{model}/{layout}"] < 1e-5
+
+
+@pytest.mark.parametrize("scenario", ["qwen3_moe_ep2", "deepseek_v3_tp2ep2", "qwen2_moe_pp2ep2"])
+def test_engine_logprobs_match_trainer_after_expert_sync(families, scenario):
+    assert 0 <= families[f"sync/{scenario}"] < 1e-5
+    assert families[f"sync_before/{scenario}"] > 1e-2  # the comparison can fail
+    assert families[f"sync_buckets/{scenario}"] > 1  # 64 KiB buckets: experts travel in several
+
+
+def test_llama3_rope_scaling_is_applied(family_models):
+    """Megatron's rotary frequencies are transformers' llama3-scaled ones, with the checkpoint's
+    factors, and differ from plain RoPE (logits alone could pass on short sequences)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_rlhf.convert.checkpoints import read_hf_arch
+    from megatron_rlhf.distributed.launch import init_distributed
+    from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+    from megatron_rlhf.models.builder import build_model
+
+    arch = read_hf_arch(family_models["llama3_rope"])
+    assert arch.rope_scaling.kind == "llama3" and arch.rope_scaling.factor == 8.0
+    init_distributed()
+    model = build_model(arch, build_parallel_groups(ParallelLayout(), arch.shape))
+    config = AutoConfig.from_pretrained(family_models["llama3_rope"])
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2).float() / arch.head_dim))
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq.float(), scaled.float())
+    assert not torch.allclose(scaled, plain)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"n_group": 4, "topk_group": 2}, re.escape("num_experts_per_tok == 2 * topk_group")),
+    ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+    ({"rope_interleave": False}, "rope_interleave=false"),
+])
+def test_unreproducible_deepseek_configs_are_refused(overrides, message):
+    from megatron_rlhf.errors import UserError
+    from megatron_rlhf.models.hf_config import arch_from_hf_config
+    from megatron_rlhf.models.tiny import tiny_config
+
+    with pytest.raises(UserError, match=message):
+        arch_from_hf_config(tiny_config("deepseek_v3", **overrides))
+
+
+def test_rope_types_the_project_cannot_reproduce_are_refused():
+    from megatron_rlhf.errors import UserError
+    from megatron_rlhf.models.hf_config import arch_from_hf_config
+    from megatron_rlhf.models.tiny import tiny_config
+
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(UserError, match="unsupported rope_type 'dynamic' for qwen3"):
+        arch_from_hf_config(tiny_config("qwen3", rope_parameters=dynamic))
