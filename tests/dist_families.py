@@ -2,9 +2,10 @@
 once under torchrun (4 ranks) by tests/test_families.py.
 
 Logits of every family under TP=2, PP=2 and, for MoE models, EP=2, EP=4 and TP=2 x EP=2 against
-transformers; EP layouts against EP=1; the weight sync at EP=2 (and TP2 x EP2, PP2 x EP2): the
+transformers; EP layouts against EP=1; a checkpoint saved at EP=2 reloaded at other layouts; the
+weight sync at EP=2 (and TP2 x EP2, PP2 x EP2): the
 engine's log-probs of its own generations after one sync against the trainer's.
-Usage: torchrun --nproc-per-node 4 tests/dist_families.py MODELS_ROOT OUT.json
+Usage: torchrun --nproc-per-node 4 tests/dist_families.py MODELS_ROOT WORKDIR OUT.json
 """
 
 from __future__ import annotations
@@ -76,6 +77,26 @@ def logits_parity(root: Path, results: dict) -> None:
                 results[f"ep_vs_ep1/{name}/{label}"] = (logits - single).abs().max().item()
 
 
+def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
+    """An MoE checkpoint saved at EP=2 loads at EP=1, TP=2, PP=2 and TP=2 x EP=2."""
+    from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
+    from megatron_rlhf.convert.checkpoints import hf_to_mcore
+    from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+
+    tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(1))
+    ckpt = workdir / "deepseek_v3_ep2"
+    hf_to_mcore(str(root / "deepseek_v3"), str(ckpt), ParallelLayout(ep=2))
+    info = read_checkpoint_info(ckpt)
+    saved = None
+    for label, layout in (("ep2", (1, 1, None, 2)), ("ep1", (1, 1)), ("tp2", (2, 1)),
+                          ("pp2", (1, 2)), ("tp2ep2", (2, 1, None, 2))):
+        groups = build_parallel_groups(ParallelLayout(*layout), info.arch.shape)
+        logits = broadcast_logits(logits_of(load_model_checkpoint(info, groups), groups, tokens,
+                                            info.arch.vocab_size), (2, 11, info.arch.vocab_size))
+        saved = logits if saved is None else saved
+        results[f"ckpt/ep2->{label}"] = (logits - saved).abs().max().item()
+
+
 def sync_parity(root: Path, results: dict) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
     for label, (name, layout) in SYNCS.items():
@@ -93,10 +114,11 @@ def sync_parity(root: Path, results: dict) -> None:
 
 
 def main() -> None:
-    root, out = Path(sys.argv[1]), Path(sys.argv[2])
+    root, workdir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     init_distributed()
     results: dict[str, float] = {}
     logits_parity(root, results)
+    checkpoint_reshard(root, workdir, results)
     sync_parity(root, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))

@@ -20,7 +20,7 @@ MOE = ("qwen2_moe", "qwen3_moe", "deepseek_v3")
 def families(family_models, tmp_path_factory):
     work = tmp_path_factory.mktemp("families")
     root = next(iter(family_models.values())).parent
-    return torchrun_results(SCRIPT, 4, root, out=work / "results.json")
+    return torchrun_results(SCRIPT, 4, root, work, out=work / "results.json")
 
 
 @pytest.mark.parametrize("model, layout", [(m, label) for m in FAMILY_MODELS for label in LAYOUTS[m]])
@@ -33,6 +33,11 @@ def test_logits_match_transformers(families, model, layout):
 def test_expert_parallel_equals_ep1(families, model, layout):
     # Same tokens, same experts, only where they run: fp32 rounding at most.
     assert 0 <= families[f"ep_vs_ep1/{model}/{layout}"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["ep1", "tp2", "pp2", "tp2ep2"])
+def test_checkpoint_saved_at_ep2_reloads_at_other_layouts(families, layout):
+    assert 0 <= families[f"ckpt/ep2->{layout}"] < 1e-5
 
 
 @pytest.mark.parametrize("scenario", ["qwen3_moe_ep2", "deepseek_v3_tp2ep2", "qwen2_moe_pp2ep2"])

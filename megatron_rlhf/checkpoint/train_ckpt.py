@@ -53,8 +53,11 @@ def _set_rng_state(state: dict) -> None:
 
 # megatron-core 0.16.1's default distributed-optimizer format (fully_sharded_model_space) is
 # refused by its own torch_dist writer ("flattened_range is not supported"); fully_reshardable
-# also lets a resume change TP/PP/EP, not only DP.
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# also lets a resume change TP/PP/EP, not only DP. MoE models at EP > 1 chain a second optimizer
+# for the experts: without the chain's key prefix its state is keyed by parameter, so it loads
+# into EP = 1's single optimizer too.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "chained_optim_avoid_prefix": True}
 
 
 def _sharded_state(trainable: Trainable, loading: bool) -> dict:
@@ -62,6 +65,10 @@ def _sharded_state(trainable: Trainable, loading: bool) -> dict:
     return {"model": model_state,
             "optimizer": trainable.optimizer.sharded_state_dict(model_state, is_loading=loading,
                                                                 metadata=_OPTIMIZER_FORMAT)}
+
+
+def _optimizer_count(trainable: Trainable) -> int:
+    return len(getattr(trainable.optimizer, "chained_optimizers", None) or [trainable.optimizer])
 
 
 def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainable, meta: dict,
@@ -85,7 +92,8 @@ def save_train_checkpoint(root: str | os.PathLike, step: int, trainable: Trainab
     torch.save(_rng_state(), partial / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        state = {**trainer_state, "scheduler": trainable.scheduler.state_dict()}
+        state = {**trainer_state, "scheduler": trainable.scheduler.state_dict(),
+                 "optimizers": _optimizer_count(trainable)}
         (partial / "trainer_state.json").write_text(json.dumps(state, indent=2))
         full_meta = {"format_version": FORMAT_VERSION, **meta,
                      "dtype": dtype_name(trainable.module.config.params_dtype)}
@@ -121,6 +129,12 @@ def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable,
     path = Path(path)
     state, rng = files or read_checkpoint_files(path)
     state = dict(state)
+    saved, now = state.pop("optimizers", 1), _optimizer_count(trainable)
+    if saved != now:
+        raise UserError(f"checkpoint {path} holds the state of {saved} chained optimizer(s) and this "
+                        f"layout builds {now} (expert parallelism gives the experts their own): "
+                        "training state cannot move across that change; start a new run from "
+                        "its weights instead (model.path / actor.model_path = the checkpoint)")
     loaded = read_sharded(_sharded_state(trainable, loading=True), path)
     trainable.module.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])

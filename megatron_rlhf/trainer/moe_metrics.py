@@ -19,6 +19,12 @@ class MoEMonitor:
 
         self.groups = groups
         config = model.config
+        # megatron's loss tracker is one per process (the actor's and the critic's share it):
+        # each monitor reads the losses its own model's coefficients switch on.
+        balancing = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+        self.losses = ([balancing[config.moe_router_load_balancing_type]]
+                       if config.moe_aux_loss_coeff and config.moe_router_load_balancing_type in balancing
+                       else []) + (["z_loss"] if config.moe_z_loss_coeff else [])
         self.num_layers, self.num_experts = config.num_layers, config.num_moe_experts
         self.routers = {m.layer_number - 1: m for m in model.modules() if isinstance(m, TopKRouter)}
         self.counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64,
@@ -36,8 +42,7 @@ class MoEMonitor:
         """The step's means over MoE layers (and micro-batches): load-balancing and z-losses
         (when their coefficients are on), tokens-per-expert imbalance (max/mean over experts:
         1 is perfectly balanced), and the expert-bias spread (max - min) where routers have one."""
-        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                             get_moe_layer_wise_logging_tracker,
+        from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
                                                              reduce_aux_losses_tracker_across_ranks)
 
         out = {}
@@ -49,13 +54,13 @@ class MoEMonitor:
             imbalance = routed.max(dim=1).values / routed.mean(dim=1)
             out["moe/tokens_per_expert_max_over_mean"] = imbalance.mean().item()
         tracker = get_moe_layer_wise_logging_tracker()
-        names = sorted(tracker)  # the same on every rank: the same layers log the same losses
+        names = [name for name in self.losses if name in tracker]  # the same on every rank
         if names:
             reduce_aux_losses_tracker_across_ranks(names, pg_collection=self.groups.collection)
             for name in names:
                 total = tracker[name]["values"].sum().item()
                 out[f"moe/{name}"] = total / max(micro_batches, 1) / max(len(routed), 1)
-            clear_aux_losses_tracker()
+                tracker[name]["values"].zero_()
         spread = self._bias_spread()
         if spread is not None:
             out["moe/expert_bias_spread"] = spread
