@@ -60,3 +60,51 @@ def test_resolve_fills_dp():
 def test_invalid_layouts_name_the_problem(layout, world, message):
     with pytest.raises(UserError, match=re.escape("parallel layout: " + message)):
         layout.resolve(world, SHAPE)
+
+
+def _parallel(**fields):
+    from megatron_rlhf.config.schema import ParallelConfig
+
+    return ParallelConfig(**fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"sequence_parallel": True}, "parallel.sequence_parallel=true needs parallel.tp > 1"),
+    ({"etp": 2, "ep": 2}, "parallel.etp=2 needs NCCL"),
+    ({"recompute_granularity": "partial"}, "recompute_granularity='partial' must be one of full, selective"),
+    ({"recompute_granularity": "selective", "recompute_method": "block"},
+     "recompute_method/recompute_num_layers apply to parallel.recompute_granularity=full only"),
+    ({"recompute_granularity": "full", "recompute_modules": ["mlp"]},
+     "recompute_modules applies to parallel.recompute_granularity=selective only"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]},
+     "moe_act needs grouped-GEMM experts"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["attention"]},
+     "recompute_modules='attention' must be one of"),
+])
+def test_memory_feature_settings_are_checked_before_anything_starts(fields, message):
+    from megatron_rlhf.config.parallel import check_parallel
+    from megatron_rlhf.config.schema import MoEConfig
+
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_parallel("parallel", _parallel(**fields), MoEConfig())
+
+
+@pytest.mark.parametrize("family, fields, message", [
+    ("qwen3_moe", {"tp": 2}, "parallel.tp=2 with a mixture-of-experts model needs "
+                             "parallel.sequence_parallel=true"),
+    ("qwen3", {"ep": 2}, "parallel.ep=2 needs a mixture-of-experts model"),
+    ("qwen3", {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+     "name MoE modules; qwen3 has no experts"),
+    ("qwen3_moe", {"recompute_granularity": "selective", "recompute_modules": ["mla_up_proj"]},
+     "mla_up_proj needs multi-latent attention"),
+    ("qwen3", {"pp": 2, "recompute_granularity": "full", "recompute_method": "block",
+               "recompute_num_layers": 3}, "recompute_num_layers=3 exceeds the 2 layers"),
+])
+def test_rules_that_depend_on_the_model(family, fields, message):
+    from megatron_rlhf.config.parallel import check_parallel_for_model
+    from megatron_rlhf.models.hf_config import arch_from_hf_config
+    from megatron_rlhf.models.tiny import tiny_config
+
+    arch = arch_from_hf_config(tiny_config(family))
+    with pytest.raises(UserError, match=re.escape(message)):
+        check_parallel_for_model("parallel", _parallel(**fields), arch)

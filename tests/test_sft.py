@@ -73,10 +73,20 @@ def reference(workspace):
     return run_sft(workspace, workspace / "tp1")
 
 
-@pytest.mark.parametrize("layout", ["parallel.tp=2", "parallel.pp=2", "dp2"])
+LAYOUTS = {
+    "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",), "dp2": (),
+    # Memory features change where tensors live or when they are computed, never the numbers.
+    "tp2_sequence_parallel": ("parallel.tp=2", "parallel.sequence_parallel=true"),
+    "dp2_distributed_optimizer": ("parallel.use_distributed_optimizer=true",),
+    "dp2_recompute_full": ("parallel.recompute_granularity=full",),
+    "tp2_recompute_selective": ("parallel.tp=2", "parallel.recompute_granularity=selective",
+                                "parallel.recompute_modules=[core_attn,mlp]"),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_reproduce_tp1_losses(workspace, reference, layout):
-    extra = [] if layout == "dp2" else [layout]
-    got = run_sft(workspace, workspace / layout.replace("=", ""), 2, *extra)
+    got = run_sft(workspace, workspace / layout, 2, *LAYOUTS[layout])
     gap = max(abs(a - b) for a, b in zip(got, reference))
     print(f"sft {layout}: max |loss - loss(tp1)| over 10 steps = {gap:.2e}")
     assert len(got) == 10 and gap < 1e-4
