@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--mcore-dir", required=True)
     to_hf.add_argument("--out-dir", required=True)
     to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
-                       help="largest safetensors file, e.g. 5GB or 200MB")
+                       help="largest safetensors file, e.g. 5GB or 200MB; also about the most "
+                            "weight memory each process holds")
+    to_hf.add_argument("--nproc-per-node", type=_count, default=1,
+                       help="split the export over this many local processes (ignored under "
+                            "torchrun/srun)")
 
     score = jobs.add_parser("score-rm", help="score prompt/chosen/rejected Parquet with a reward model")
     score.add_argument("--model-dir", required=True, help="Megatron reward-model checkpoint")
@@ -147,6 +151,10 @@ def _validate_before_launch(args) -> None:
         layout = layout_of(config.parallel).resolve(args.nproc_per_node, arch.shape)
         batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank, layout.dp)
         return
+    if args.job == "convert" and args.direction == "mcore-to-hf":
+        read_checkpoint_info(args.mcore_dir)  # any world size works: every rank reads at tp=pp=1
+        check_writable(args.out_dir)
+        return
     layout = ParallelLayout(tp=args.tp, pp=args.pp)
     if args.job == "convert":
         arch = read_hf_arch(args.hf_dir)
@@ -174,7 +182,8 @@ def run(args) -> int:
         from megatron_rlhf.convert.checkpoints import mcore_to_hf
 
         out = mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size)
-        print(f"wrote Hugging Face model to {out}")
+        if _rank() == 0:
+            print(f"wrote Hugging Face model to {out}")
     elif args.job == "convert":
         from megatron_rlhf.convert.checkpoints import hf_to_mcore
 

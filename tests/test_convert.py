@@ -1,4 +1,6 @@
-"""`megatron-rlhf convert`: bit-identical HF -> Megatron -> HF round trips and clean failures."""
+"""`megatron-rlhf convert`: bit-identical HF -> Megatron -> HF round trips of every family, a
+streaming export whose memory is bounded by one shard and whose output does not depend on how
+many processes share it, and clean failures."""
 
 import json
 import shutil
@@ -10,6 +12,39 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rlhf.cli import main
+from tests.tiny_models import LLAMA3_ROPE
+
+# name -> (family, kind, tiny_config overrides): what tests/tiny_models.py's set lacks
+EXPORT_MODELS = {
+    "qwen3_policy": ("qwen3", "policy", {}),
+    "qwen2_moe_policy": ("qwen2_moe", "policy", {}),
+    "qwen3_moe_policy": ("qwen3_moe", "policy", {}),
+    "deepseek_v3_policy": ("deepseek_v3", "policy", {}),
+    "deepseek_v3_no_q_lora": ("deepseek_v3", "policy", {"q_lora_rank": None}),
+    "llama3_rope_policy": ("llama", "policy", {"rope_parameters": LLAMA3_ROPE}),
+    "qwen3_moe_rm": ("qwen3_moe", "value", {}),
+    "deepseek_v3_rm": ("deepseek_v3", "value", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def export_models(tmp_path_factory):
+    from megatron_rlhf.models.tiny import make_tiny_model, tiny_config
+
+    root = tmp_path_factory.mktemp("export_models")
+    for index, (name, (family, kind, overrides)) in enumerate(EXPORT_MODELS.items()):
+        make_tiny_model(tiny_config(family, kind, **overrides), root / name, seed=20 + index)
+    return {name: root / name for name in EXPORT_MODELS}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(export_models, tmp_path_factory):
+    """A converted DeepSeek-V3 (MLA, shared and routed experts) saved by two pipeline stages, so
+    that the exports below, which read at tp=pp=1, reshard as they load."""
+    mcore = tmp_path_factory.mktemp("moe_checkpoint") / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(export_models["deepseek_v3_policy"]),
+                 "--out-dir", str(mcore), "--pp", "2", "--nproc-per-node", "2"]) == 0
+    return mcore
 
 
 def _hf_tensors(folder):
@@ -27,18 +62,115 @@ def _round_trip(src, tmp_path, *extra):
     return mcore, back
 
 
-@pytest.mark.parametrize("name", ["qwen2_policy", "llama_policy", "qwen2_rm", "llama_rm"])
-def test_round_trip_is_bit_identical(tiny_models, tmp_path, name):
-    src = tiny_models[name]
-    _, back = _round_trip(src, tmp_path)
-    before, after = _hf_tensors(src), _hf_tensors(back)
+def _assert_bit_identical(before, after):
     assert sorted(before) == sorted(after)
     for key, tensor in before.items():
         assert after[key].dtype == tensor.dtype and after[key].shape == tensor.shape, key
         assert torch.equal(after[key].view(-1).view(torch.uint8),
                            tensor.view(-1).view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("name", list(EXPORT_MODELS))
+def test_round_trip_is_bit_identical_for_every_family(export_models, tmp_path, name):
+    # A small shard size: parameters spread over files, the index must name every tensor.
+    _, back = _round_trip(export_models[name], tmp_path, "--max-shard-size", "64KB")
+    _assert_bit_identical(_hf_tensors(export_models[name]), _hf_tensors(back))
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(_hf_tensors(back))
+
+
+@pytest.mark.parametrize("name", ["qwen2_policy", "llama_policy", "qwen2_rm", "llama_rm"])
+def test_round_trip_is_bit_identical(tiny_models, tmp_path, name):
+    src = tiny_models[name]
+    _, back = _round_trip(src, tmp_path)
+    assert sorted(p.name for p in back.glob("*.safetensors")) == ["model.safetensors"]
+    _assert_bit_identical(_hf_tensors(src), _hf_tensors(back))
     assert json.loads((back / "config.json").read_text()) == json.loads(
         (src / "config.json").read_text())
+
+
+def _folder_bytes(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def test_export_over_two_processes_writes_the_same_files(export_models, moe_checkpoint, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(moe_checkpoint), "--out-dir",
+                 str(one), "--max-shard-size", "32KB"]) == 0
+    shards = list(one.glob("model-*.safetensors"))
+    # An odd count: rank 1 runs its last round with nothing to load (the loads are collective).
+    assert len(shards) % 2 == 1 and len(shards) > 10
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(moe_checkpoint), "--out-dir",
+                 str(two), "--max-shard-size", "32KB", "--nproc-per-node", "2"]) == 0
+    assert _folder_bytes(one) == _folder_bytes(two)
+    assert not list(tmp_path.glob("*.partial"))
+    _assert_bit_identical(_hf_tensors(export_models["deepseek_v3_policy"]), _hf_tensors(two))
+
+
+def _recording_loads(monkeypatch):
+    """Patch megatron's checkpoint load to record (bytes, largest tensor) of each load's result,
+    whoever calls it: a whole-model load anywhere in the export shows up here."""
+    from megatron.core import dist_checkpointing
+
+    loads, real = [], dist_checkpointing.load
+
+    def load(*args, **kwargs):
+        state = real(*args, **kwargs)
+        sizes = [t.numel() * t.element_size() for t in _leaves(state)]
+        loads.append((sum(sizes), max(sizes, default=0)))
+        return state
+
+    monkeypatch.setattr(dist_checkpointing, "load", load)
+    return loads
+
+
+def _leaves(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves(value)
+
+
+def test_export_loads_one_shard_at_a_time(moe_checkpoint, tmp_path, monkeypatch):
+    loads = _recording_loads(monkeypatch)
+    shard = 32 * 1024
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(moe_checkpoint), "--out-dir",
+                 str(tmp_path / "hf"), "--max-shard-size", "32KB"]) == 0
+    model_bytes = sum(t.numel() * t.element_size() for t in _hf_tensors(tmp_path / "hf").values())
+    largest = max(biggest for _, biggest in loads)
+    assert len(loads) > 10 and sum(total for total, _ in loads) >= model_bytes > 4 * shard
+    assert max(total for total, _ in loads) <= shard + largest
+
+
+def test_export_builds_the_model_without_its_weights(moe_checkpoint):
+    from megatron_rlhf.checkpoint.model_ckpt import read_checkpoint_info
+    from megatron_rlhf.convert.streaming_export import meta_model
+    from megatron_rlhf.distributed.launch import init_distributed
+    from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+
+    info = read_checkpoint_info(moe_checkpoint)
+    init_distributed()
+    model = meta_model(info, build_parallel_groups(ParallelLayout(), info.arch.shape))
+    tensors = [t for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.is_meta for t in tensors)
+
+
+def test_shards_pack_in_order_and_rounds_cover_them():
+    from megatron_rlhf.convert.streaming_export import ExportPlan, ParamExport, pack_shards
+
+    params = [ParamExport(f"p{i}", size, ((f"h{i}", torch.Size([size])),), torch.uint8, None)
+              for i, size in enumerate([3, 3, 3, 10, 1, 2])]
+    shards = pack_shards(params, 6)
+    assert [[p.name for p in shard] for shard in shards] == [["p0", "p1"], ["p2"], ["p3"],
+                                                             ["p4", "p5"]]
+    plan = ExportPlan(shards)
+    assert plan.rounds(0, 3) == [0, 3] and plan.rounds(2, 3) == [2, None]
+    assert plan.file_name(3) == "model-00004-of-00004.safetensors" and plan.total_size() == 22
+    assert ExportPlan(shards[:1]).file_name(0) == "model.safetensors"
 
 
 def test_sharded_export_loads_in_transformers(tiny_models, tmp_path):
@@ -95,9 +227,10 @@ def test_missing_files(tiny_models, tmp_path, capsys):
     code, err = _error_of(capsys, ["convert", "hf-to-mcore", "--hf-dir", str(folder),
                                    "--out-dir", str(tmp_path / "out")])
     assert code == 2 and "no model.safetensors or model.safetensors.index.json" in err
-    code, err = _error_of(capsys, ["convert", "mcore-to-hf", "--mcore-dir", str(folder),
-                                   "--out-dir", str(tmp_path / "out")])
-    assert code == 2 and "is not a complete megatron_rlhf checkpoint" in err
+    for launch in ([], ["--nproc-per-node", "2"]):  # refused before any process starts
+        code, err = _error_of(capsys, ["convert", "mcore-to-hf", "--mcore-dir", str(folder),
+                                       "--out-dir", str(tmp_path / "out"), *launch])
+        assert code == 2 and "is not a complete megatron_rlhf checkpoint" in err
 
 
 def test_shape_mismatch(tiny_models, tmp_path, capsys):
@@ -119,6 +252,17 @@ def test_refuses_to_overwrite(tiny_models, tmp_path, capsys):
                                    str(tiny_models["qwen2_policy"]), "--out-dir", str(tmp_path / "out")])
     assert code == 2 and "already exists and is not empty" in err
     assert (tmp_path / "out" / "keep.txt").read_text() == "finished work"
+
+
+def test_export_refuses_to_overwrite(moe_checkpoint, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("finished work")
+    for launch in ([], ["--nproc-per-node", "2"]):
+        code, err = _error_of(capsys, ["convert", "mcore-to-hf", "--mcore-dir", str(moe_checkpoint),
+                                       "--out-dir", str(tmp_path / "out"), *launch])
+        assert code == 2
+        assert err == f"error: output folder {tmp_path / 'out'} already exists and is not empty"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["keep.txt"]
 
 
 def test_cli_error_has_no_traceback(tmp_path):

@@ -99,14 +99,15 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
     return out
 
 
-def read_sharded(wanted: dict, path: Path) -> dict:
+def read_sharded(wanted: dict, path: Path, whole: bool = True) -> dict:
     """``dist_checkpointing.load`` of ``path/model``; an unreadable (truncated, half-copied)
-    checkpoint is a :class:`UserError` naming it, not a traceback."""
+    checkpoint is a :class:`UserError` naming it, not a traceback. ``whole=False`` reads a
+    subset (megatron's access-integrity check wants every tensor read in full by the ranks)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return dist_checkpointing.load(wanted, str(path / "model"))
+        return dist_checkpointing.load(wanted, str(path / "model"), validate_access_integrity=whole)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException
         # A CheckpointException carries each failed rank's own exception: show the first.
         failures = getattr(err, "failures", None)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
-import torch.distributed as dist
-from tqdm import tqdm
-
-from megatron_rlhf.checkpoint.model_ckpt import (check_writable, load_model_checkpoint,
-                                                 read_checkpoint_info, save_model_checkpoint)
-from megatron_rlhf.convert.hf_io import HFReader, ShardedWriter, copy_hf_assets
-from megatron_rlhf.convert.weights import iter_hf_tensors, load_hf_weights
+from megatron_rlhf.checkpoint.model_ckpt import (check_writable, read_checkpoint_info,
+                                                 save_model_checkpoint)
+from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.convert.streaming_export import export_hf
+from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.distributed.launch import init_distributed
 from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
 from megatron_rlhf.errors import UserError
@@ -52,23 +49,13 @@ def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayo
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Export a checkpoint to an HF folder (safetensors, config, tokenizer), shard by shard."""
+    """Export a checkpoint to an HF folder (safetensors, config, tokenizer), streaming.
+
+    All ranks call it and share the work; each holds one output shard at a time, never the model
+    (see :mod:`megatron_rlhf.convert.streaming_export`).
+    """
     info = read_checkpoint_info(mcore_dir)
     out = check_writable(out_dir)
     init_distributed()
-    if dist.get_world_size() != 1:
-        raise UserError("mcore-to-hf runs as a single process (the checkpoint reshards on load)")
     groups = build_parallel_groups(ParallelLayout(), info.arch.shape)
-    model = load_model_checkpoint(info, groups)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    writer = ShardedWriter(partial, max_shard_bytes)
-    tensors = iter_hf_tensors(model, info.arch, groups, info.padded_vocab)
-    for name, tensor in tqdm(tensors, desc="Megatron -> HF", unit="tensor"):
-        writer.add(name, tensor)
-    writer.close()
-    copy_hf_assets(info.hf_dir, partial)
-    if out.exists():
-        out.rmdir()
-    os.replace(partial, out)
-    return out
+    return export_hf(info, out, groups, max_shard_bytes)

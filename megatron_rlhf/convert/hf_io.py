@@ -1,7 +1,7 @@
-"""Streaming access to Hugging Face safetensors folders: read one tensor at a time, write shard by shard.
+"""Hugging Face safetensors folders: read one tensor at a time; name, write and index shards.
 
-Neither side ever holds more than one tensor (reading) or one output shard (writing) beyond the
-Megatron model itself, so converting never needs two full copies of a model in memory.
+Reading holds one tensor at a time; writing one shard (see ``convert/streaming_export.py``), so
+converting never needs a full copy of a model in memory.
 """
 
 from __future__ import annotations
@@ -76,47 +76,24 @@ class HFReader:
         raise UserError(f"no floating-point tensors in {self.dir}")
 
 
-class ShardedWriter:
-    """Writes tensors in arrival order into ``model-0000k-of-0000n.safetensors`` shards."""
+def shard_file_name(index: int, count: int) -> str:
+    """HF's name for shard ``index`` (from 0) of ``count``; a lone one is ``model.safetensors``."""
+    if count == 1:
+        return "model.safetensors"
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
-    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 5 * 2**30):
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._shards: list[list[str]] = []
-        self.total_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.detach().contiguous().cpu()
-        self._pending_bytes += size
-        self.total_bytes += size
+def write_shard(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """One safetensors file. safetensors 0.8 (setup.py pins >=0.8) writes from the tensors' own
+    memory, so saving costs no second copy of the shard."""
+    save_file({name: t.detach().contiguous() for name, t in tensors.items()}, Path(path),
+              metadata={"format": "pt"})
 
-    def _flush(self) -> None:
-        index = len(self._shards)
-        save_file(self._pending, self.dir / f".shard-{index:05d}.safetensors",
-                  metadata={"format": "pt"})
-        self._shards.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
 
-    def close(self) -> None:
-        if self._pending or not self._shards:
-            self._flush()
-        count = len(self._shards)
-        if count == 1:
-            os.replace(self.dir / ".shard-00000.safetensors", self.dir / "model.safetensors")
-            return
-        weight_map = {}
-        for index, names in enumerate(self._shards):
-            final = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(self.dir / f".shard-{index:05d}.safetensors", self.dir / final)
-            weight_map.update({name: final for name in names})
-        index_doc = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
+def write_index(out_dir: str | os.PathLike, weight_map: dict[str, str], total_size: int) -> None:
+    """``model.safetensors.index.json`` of a sharded folder (``total_size``: tensor bytes)."""
+    index_doc = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (Path(out_dir) / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=2))
 
 
 def copy_hf_assets(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:

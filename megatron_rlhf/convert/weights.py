@@ -9,8 +9,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rlhf.convert.hf_io import HFReader
-from megatron_rlhf.convert.mapping import (layer_offsets, mapped_parameters, rule_for, tp_shard,
-                                           tp_unshard)
+from megatron_rlhf.convert.mapping import layer_offsets, mapped_parameters, rule_for, tp_shard
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import uses_transformer_engine
@@ -69,27 +68,3 @@ def mtp_tensor_names(reader: HFReader, arch: ModelArch) -> list[str]:
         print(f"[convert] dropping {len(names)} multi-token-prediction tensors "
               f"(model.layers.{first}.* and up): megatron-rlhf trains without MTP", flush=True)
     return names
-
-
-def iter_hf_tensors(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: int):
-    """Yield ``(hf_name, full_tensor)`` for the whole model, gathering TP shards as it goes.
-
-    Needs every pipeline stage in this process (pp == 1); one full tensor exists at a time.
-    """
-    if groups.layout.pp != 1:
-        raise ValueError("iter_hf_tensors needs pp == 1")
-    if groups.layout.ep != 1 or groups.layout.etp != 1:
-        raise ValueError("iter_hf_tensors needs ep == etp == 1")
-    offsets = layer_offsets(model)
-    tp = groups.layout.tp
-    local_spec = not uses_transformer_engine()
-    for name, param in mapped_parameters(model):
-        rule = rule_for(name, arch, padded_vocab, offsets, local_spec=local_spec)
-        local = param.detach().contiguous()
-        if tp > 1 and not rule.expert:
-            shards = [torch.empty_like(local) for _ in range(tp)]
-            dist.all_gather(shards, local, group=groups.tp)
-        else:
-            shards = [local]
-        full = tp_unshard(shards, rule.tp_cut)
-        yield from zip(rule.hf_names, rule.split(full))
