@@ -92,3 +92,24 @@ def test_rope_types_the_project_cannot_reproduce_are_refused():
     dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     with pytest.raises(UserError, match="unsupported rope_type 'dynamic' for qwen3"):
         arch_from_hf_config(tiny_config("qwen3", rope_parameters=dynamic))
+
+
+def test_multi_token_prediction_layers_are_dropped_on_import_with_one_line(family_models, tmp_path,
+                                                                          capsys):
+    """DeepSeek-V3 checkpoints store their MTP layer after the decoder (model.layers.61.* for
+    the 61-layer model); transformers ignores it and so does the import, saying so once."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rlhf.cli import main
+
+    source = tmp_path / "with_mtp"
+    shutil.copytree(family_models["deepseek_v3"], source)
+    tensors = load_file(source / "model.safetensors")
+    extra = {"model.layers.4.enorm.weight": torch.ones(64), "model.layers.4.eh_proj.weight": torch.ones(64, 128)}
+    save_file({**tensors, **extra}, source / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(source), "--out-dir", str(tmp_path / "mcore")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("dropping 2 multi-token-prediction tensors (model.layers.4.* and up)") == 1
