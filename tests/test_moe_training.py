@@ -30,13 +30,17 @@ def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return proc
 
 
-def sft(ws: Path, out: Path, *extra: str, nproc: int = 2) -> list[dict]:
+def sft_args(ws: Path, out: Path, *extra: str, nproc: int = 2) -> list[str]:
     data = ws / "data"
-    cli("sft", "--config", str(SFT_CONFIG), f"model.path={ws / 'base'}",
-        f"data.train_files=[{data / 'sft_train.parquet'}]", f"data.val_files=[{data / 'sft_val.parquet'}]",
-        f"trainer.output_dir={out}", "data.train_batch_size=16", "data.micro_batch_size_per_rank=4",
-        "trainer.save_every_steps=2", "trainer.log_every_steps=1", "model.moe.aux_loss_coef=0.01",
-        "model.moe.z_loss_coef=0.001", *extra, "--nproc-per-node", str(nproc))
+    return ["sft", "--config", str(SFT_CONFIG), f"model.path={ws / 'base'}",
+            f"data.train_files=[{data / 'sft_train.parquet'}]", f"data.val_files=[{data / 'sft_val.parquet'}]",
+            f"trainer.output_dir={out}", "data.train_batch_size=16", "data.micro_batch_size_per_rank=4",
+            "trainer.save_every_steps=2", "trainer.log_every_steps=1", "model.moe.aux_loss_coef=0.01",
+            "model.moe.z_loss_coef=0.001", *extra, "--nproc-per-node", str(nproc)]
+
+
+def sft(ws: Path, out: Path, *extra: str, nproc: int = 2) -> list[dict]:
+    cli(*sft_args(ws, out, *extra, nproc=nproc))
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -58,24 +62,33 @@ def test_moe_losses_enter_the_objective_and_are_logged(sft_ep2):
     # Switch-transformer balance loss is 1 when routing is uniform; a random router is near it.
     assert 0.9 < first["moe/load_balancing_loss"] < 2.0 and first["moe/z_loss"] > 0
     assert first["moe/tokens_per_expert_max_over_mean"] >= 1.0
+    assert rows[-1]["train/loss"] < first["train/loss"]  # it learns
 
 
-def resume_from_step_2(source: Path, out: Path, ws: Path, *layout: str, nproc: int = 2) -> list[dict]:
-    """A new run folder holding only the EP=2 run's step-2 checkpoint, trained on to step 4."""
-    import shutil
+def test_kill_9_at_ep2_and_resume_reproduces_the_run_exactly(sft_ep2, moe_workspaces, tmp_path):
+    """kill -9 once step 3 is logged (after the step-2 save); the rerun resumes from step 2 and
+    logs the uninterrupted run's losses bit for bit (same process layout)."""
+    import os
+    import signal
+    import time
 
-    (out / "checkpoints").mkdir(parents=True)
-    shutil.copytree(source / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
-    rows = sft(ws, out, "trainer.max_steps=4", *layout, nproc=nproc)
-    assert [r["step"] for r in rows] == [3, 4]
-    return rows
-
-
-def test_ep2_resume_is_exact(sft_ep2, moe_workspaces, tmp_path):
-    source, straight = sft_ep2
-    rows = resume_from_step_2(source, tmp_path / "resumed", moe_workspaces["qwen3_moe"], "parallel.ep=2")
-    # Same process layout: model, optimizer, RNG and data position restored bit for bit.
-    assert [r["train/loss"] for r in rows] == [r["train/loss"] for r in straight[2:]]
+    _, straight = sft_ep2
+    out = tmp_path / "killed"
+    args = sft_args(moe_workspaces["qwen3_moe"], out, "trainer.max_steps=4", "parallel.ep=2")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rlhf.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    resumed = cli(*args)
+    assert "resumed from" in resumed.stdout
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["train/loss"] for r in rows] == [r["train/loss"] for r in straight]
 
 
 def test_resume_across_expert_layouts_is_refused_and_the_weights_start_a_new_run(
@@ -114,12 +127,13 @@ def test_deepseek_v3_reward_model_trains_at_ep2(moe_workspaces, tmp_path):
     cli("train-rm", "--config", str(SFT_CONFIG.parents[1] / "rm" / "tiny_cpu.yaml"),
         f"model.path={ws / 'base'}", f"data.train_files=[{data / 'prefs_train.parquet'}]",
         f"data.val_files=[{data / 'prefs_val.parquet'}]", f"trainer.output_dir={out}",
-        "data.train_batch_size=16", "data.micro_batch_size_per_rank=4", "trainer.max_steps=3",
+        "data.train_batch_size=16", "data.micro_batch_size_per_rank=4", "trainer.max_steps=6",
         "trainer.log_every_steps=1", "parallel.ep=2", "parallel.use_distributed_optimizer=true",
         "--nproc-per-node", "2")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # The aux-loss-free balancer moved the router's expert bias after the first step.
     assert rows[-1]["moe/expert_bias_spread"] > 0
+    assert sum(r["train/loss"] for r in rows[-2:]) < sum(r["train/loss"] for r in rows[:2])
     final = json.loads((out / "final_metrics.json").read_text())
     assert 0 <= final["val/accuracy"] <= 1
 
