@@ -6,8 +6,10 @@
 4. export the SFT policy to Hugging Face and train a Bradley-Terry reward model from it
    (``configs/rm/tiny_cpu.yaml``, with reward centring; InstructGPT starts the reward model from
    the SFT model);
-5. PPO from the SFT policy against that reward model (``configs/ppo/tiny_cpu.yaml``), with the
-   critic started from the reward model; the task's checker is only measured, never trained on;
+5. PPO from the SFT policy (``configs/ppo/tiny_cpu.yaml``), scored by the task's checker plus
+   0.25 x that reward model's score, KL to the SFT policy in the reward, and the critic started
+   from the reward model (the reward model alone was hacked late in some runs: see
+   docs/benchmarks.md);
 6. a before/after table of held-out oracle accuracy and reward-model score, and a PNG of the curves.
 
 Every stage is the real command-line job, run as a subprocess; the stage logs are kept.
@@ -95,7 +97,7 @@ def _plot(curves: dict, out: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("PPO step")
         ax.grid(alpha=0.3)
-    fig.suptitle("megatron-rlhf demo: PPO from the SFT policy against the trained reward model")
+    fig.suptitle("megatron-rlhf demo: PPO from the SFT policy (checker + 0.25 x reward model)")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -113,10 +115,12 @@ def sft_and_rm(root: Path, seed: int) -> dict[str, float]:
         f"trainer.output_dir={root / 'sft'}", "trainer.logger=console", f"trainer.seed={1 + seed}"])
     seconds["export"] = _stage(root, "export-sft", ["convert", "mcore-to-hf", "--mcore-dir",
                                                     str(_newest(root / "sft")), "--out-dir", str(root / "sft_hf")])
+    # 14 epochs: from the 3-epoch SFT warm start, 8 epochs left pairwise accuracy at 0.735-0.93 by
+    # seed; 14 reached 0.965 on the worst of them (docs/benchmarks.md).
     seconds["rm"] = _stage(root, "reward-model", [
         "train-rm", "--config", str(CONFIGS / "rm" / "tiny_cpu.yaml"), f"model.path={root / 'sft_hf'}",
         f"data.train_files=[{data / 'prefs_train.parquet'}]", f"data.val_files=[{data / 'prefs_val.parquet'}]",
-        f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=8", "optim.lr=3e-4", "optim.min_lr=3e-5",
+        f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=14", "optim.lr=3e-4", "optim.min_lr=3e-5",
         "trainer.logger=console", f"trainer.seed={1 + seed}"])
     return seconds
 

@@ -21,8 +21,10 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "held-out questions (never trained on)" in proc.stdout
     assert (out / "ppo_curves.png").stat().st_size > 10_000
     assert summary["rm_val_accuracy"] > 0.9
-    # The acceptance bar: PPO lifts held-out accuracy by at least 15 points over its SFT start.
-    assert summary["ppo_oracle_acc"] - summary["sft_oracle_acc"] >= 0.15
+    # PPO lifts held-out accuracy by at least 20 points over its SFT start. Set from the spread,
+    # not one run: benchmarks/demo_spread.py over 3 seeds x OMP 1/2 threads (which stand in for
+    # other CPUs' rounding): every run gained well over 30 points (docs/benchmarks.md).
+    assert summary["ppo_oracle_acc"] - summary["sft_oracle_acc"] >= 0.20
 
 
 def test_demo_never_deletes_foreign_folders(tmp_path, capsys):
