@@ -11,6 +11,7 @@ Usage: torchrun --nproc-per-node 4 tests/dist_families.py MODELS_ROOT WORKDIR OU
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -105,8 +106,13 @@ def sync_parity(root: Path, results: dict) -> None:
         padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
         engine = HFGenerator(str(root / name), torch.float32, pad_id=0, eos_id=1)
         before = gap(model, groups, arch, engine.generate(PROMPTS, params))
-        sync = WeightSync(model, arch, groups, padded, 64 * 2 ** 10)
+        # Buckets smaller than one expert's weight: every such tensor must travel alone.
+        plan = WeightSync(model, arch, groups, padded, 64 * 2 ** 10)
+        expert_bytes = min(math.prod(shape) for b in plan.buckets for e in b if e.expert
+                           for _, shape in e.hf) * 4
+        sync = WeightSync(model, arch, groups, padded, expert_bytes // 2)
         stats = sync.sync(engine.load_weights)
+        results[f"sync_bucket_over_expert/{label}"] = sync.bucket_bytes / expert_bytes
         after = gap(model, groups, arch, engine.generate(PROMPTS, params))
         results[f"sync/{label}"] = max_over_world(after)
         results[f"sync_before/{label}"] = max_over_world(before)
