@@ -1,11 +1,11 @@
 """Peak memory of ``megatron-rlhf convert mcore-to-hf`` against model size and ``--max-shard-size``.
 
 For each model size: write a random fp32 Qwen2-shaped HF folder straight to safetensors (one
-tensor in memory at a time), convert it HF -> Megatron once (that direction holds the model),
-then export it back in a child process per shard size and read the child's peak RSS from the
+tensor in memory at a time, ~1 GiB files), convert it HF -> Megatron in a child process, then
+export it back in a child process per shard size, and read each child's peak RSS from the
 kernel (``os.wait4``'s ``ru_maxrss``, through a small launcher process). The models differ only
 in depth, so their largest tensor is the same and a streaming export's peak should not depend on
-the size at a fixed shard size.
+the size at a fixed shard size (nor, for the import, at all).
 Each export is checked tensor by tensor against the source before it is deleted.
 
     python benchmarks/export_memory.py                  # ~1 GB and ~4 GB models
@@ -125,6 +125,9 @@ def run(root: Path, layer_counts: list[int], shard_sizes: list[int]) -> list[dic
         to_mcore, seconds = peak_rss(_cli("convert", "hf-to-mcore", "--hf-dir", str(hf),
                                           "--out-dir", str(mcore)))
         label = f"{layers} layers, {model_bytes / GiB:.2f} GiB"
+        rows.append({"model": label, "direction": "hf-to-mcore", "shard": "-",
+                     "files": len(list(hf.glob("*.safetensors"))), "peak": to_mcore,
+                     "seconds": seconds})
         print(f"[{label}] hf-to-mcore: peak {to_mcore / GiB:.2f} GiB, {seconds:.0f} s", flush=True)
         for shard in shard_sizes:
             out = root / f"export-{layers}-{shard}"
@@ -133,7 +136,8 @@ def run(root: Path, layer_counts: list[int], shard_sizes: list[int]) -> list[dic
                                           _size_arg(shard)))
             count = same_tensors(hf, out)
             files = len(list(out.glob("*.safetensors")))
-            rows.append({"model": label, "shard": _size_arg(shard), "files": files,
+            rows.append({"model": label, "direction": "mcore-to-hf", "shard": _size_arg(shard),
+                         "files": files,
                          "tensors": count, "peak": peak, "seconds": seconds})
             print(f"[{label}] mcore-to-hf --max-shard-size {_size_arg(shard)}: peak "
                   f"{peak / GiB:.2f} GiB, {files} files, {count} tensors equal, {seconds:.0f} s",
@@ -145,13 +149,14 @@ def run(root: Path, layer_counts: list[int], shard_sizes: list[int]) -> list[dic
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| model | --max-shard-size | files | peak RSS (GiB) | peak - imports (GiB) "
-          "| time (s) |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | direction | --max-shard-size | files | peak RSS (GiB) "
+          "| peak - imports (GiB) | time (s) |")
+    print("|---|---|---|---|---|---|---|")
     base = rows[0]["peak"]
     for row in rows:
         extra = "-" if row["model"] == "imports only" else f"{(row['peak'] - base) / GiB:.2f}"
-        print(f"| {row['model']} | {row['shard']} | {row.get('files', '-')} | "
+        print(f"| {row['model']} | {row.get('direction', '-')} | {row['shard']} | "
+              f"{row.get('files', '-')} | "
               f"{row['peak'] / GiB:.2f} | {extra} | {row['seconds']:.0f} |")
 
 

@@ -96,6 +96,12 @@ def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
                                             info.arch.vocab_size), (2, 11, info.arch.vocab_size))
         saved = logits if saved is None else saved
         results[f"ckpt/ep2->{label}"] = (logits - saved).abs().max().item()
+    # The streamed import itself, each EP rank writing its own experts: the model it wrote.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(root / "deepseek_v3").eval()
+    with torch.no_grad():
+        results["ckpt/ep2_import_vs_hf"] = (saved - hf(tokens).logits).abs().max().item()
 
 
 def sync_parity(root: Path, results: dict) -> None:

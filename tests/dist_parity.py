@@ -71,6 +71,8 @@ def logits_parity(root: Path, results: dict) -> None:
 
 def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
     """Save at TP=2, reload at TP=1 and PP=2: logits must match the TP=2 model's."""
+    from transformers import AutoModelForCausalLM
+
     tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(1))
     ckpt = workdir / "qwen2_tp2"
     hf_to_mcore(str(root / "qwen2_policy"), str(ckpt), ParallelLayout(tp=2))
@@ -91,6 +93,10 @@ def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
             saved = buffer.clone()
         else:
             results[f"ckpt/tp2->{label}"] = (buffer - saved).abs().max().item()
+    # The streamed import itself, each TP rank writing its own shards: the model it wrote.
+    hf = AutoModelForCausalLM.from_pretrained(root / "qwen2_policy").eval()
+    with torch.no_grad():
+        results["ckpt/tp2_import_vs_hf"] = (saved - hf(tokens).logits).abs().max().item()
 
 
 def reward_parity(root: Path, results: dict) -> None:

@@ -107,6 +107,106 @@ def test_export_over_two_processes_writes_the_same_files(export_models, moe_chec
     _assert_bit_identical(_hf_tensors(export_models["deepseek_v3_policy"]), _hf_tensors(two))
 
 
+def _recording_hf_reads(monkeypatch):
+    """Patch the converter's HF reader to track the bytes of HF tensors alive at once. A read
+    buffer lives as long as any view of it (views keep their base), so this counts what a
+    conversion still holds, not just what it has read."""
+    import weakref
+
+    from megatron_rlhf.convert import hf_io
+
+    state = {"live": 0, "peak": 0, "reads": 0}
+    real = hf_io.read_tensor
+
+    def release(nbytes):
+        state["live"] -= nbytes
+
+    def read_tensor(path, header, name):
+        tensor = real(path, header, name)
+        base = tensor._base if tensor._base is not None else tensor
+        nbytes = base.numel() * base.element_size()
+        weakref.finalize(base, release, nbytes)
+        state["live"] += nbytes
+        state["reads"] += 1
+        state["peak"] = max(state["peak"], state["live"])
+        return tensor
+
+    monkeypatch.setattr(hf_io, "read_tensor", read_tensor)
+    return state
+
+
+def test_import_holds_a_few_tensors_at_a_time(tmp_path, monkeypatch):
+    # The streamed import: a dozen layers, yet at most two parameters' HF tensors alive at once
+    # (the one being written, the previous one kept for its second half).
+    from megatron_rlhf.convert.checkpoints import read_hf_arch
+    from megatron_rlhf.convert.mapping import layer_offsets, mapped_parameters, rule_for
+    from megatron_rlhf.distributed.launch import init_distributed
+    from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+    from megatron_rlhf.models.builder import build_meta_model
+    from megatron_rlhf.models.tiny import make_tiny_model, tiny_config
+
+    src = tmp_path / "deep"
+    make_tiny_model(tiny_config("qwen3_moe", "policy", num_layers=12), src, seed=3)
+    tensors = _hf_tensors(src)
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    arch = read_hf_arch(src)
+    init_distributed()
+    model = build_meta_model(arch, build_parallel_groups(ParallelLayout(), arch.shape),
+                             torch.float32, 256)
+    offsets = layer_offsets(model)
+    largest = max(sum(tensors[hf].numel() * 4 for hf in rule_for(name, arch, 256, offsets).hf_names)
+                  for name, _ in mapped_parameters(model))
+    reads = _recording_hf_reads(monkeypatch)
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(src), "--out-dir",
+                 str(tmp_path / "mcore")]) == 0
+    assert reads["reads"] >= len(tensors)
+    assert reads["peak"] <= 2 * largest and model_bytes > 10 * 2 * largest
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out-dir",
+                 str(tmp_path / "back")]) == 0
+    _assert_bit_identical(tensors, _hf_tensors(tmp_path / "back"))
+
+
+def test_import_over_two_processes_shares_the_writing(export_models, tmp_path):
+    # Data-parallel replicas split the shards between them (megatron's fully parallel save):
+    # both write, and the checkpoint is the model.
+    src = export_models["qwen3_moe_policy"]
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(src), "--out-dir", str(mcore),
+                 "--nproc-per-node", "2"]) == 0
+    sizes = sorted(p.stat().st_size for p in (mcore / "model").glob("*.distcp"))
+    assert len(sizes) == 2 and sizes[0] > sizes[1] / 3
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(mcore), "--out-dir",
+                 str(tmp_path / "back")]) == 0
+    _assert_bit_identical(_hf_tensors(src), _hf_tensors(tmp_path / "back"))
+
+
+def test_hf_reader_without_memory_map_reads_every_dtype(tmp_path):
+    from safetensors.torch import save_file
+
+    from megatron_rlhf.convert.hf_io import HFReader, read_header, read_tensor
+    from megatron_rlhf.errors import UserError
+
+    (tmp_path / "config.json").write_text("{}")
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(),
+               "f16": torch.randn(2, 2, 3).half(), "i64": torch.arange(6).reshape(2, 3),
+               "empty": torch.zeros(0, 4)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reader = HFReader(tmp_path, mmap=False)
+    for name, tensor in tensors.items():
+        got = reader.get(name)
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+        assert reader.meta(name).shape == tensor.shape and reader.meta(name).is_meta
+    header = read_header(tmp_path / "model.safetensors")
+    last = max(tensors, key=lambda name: header[name]["data_offsets"][1])
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-8])
+    with pytest.raises(UserError, match="model.safetensors: not a readable safetensors file"):
+        HFReader(tmp_path, mmap=False)
+    with pytest.raises(UserError, match="model.safetensors: cannot read tensor .* truncated"):
+        read_tensor(tmp_path / "model.safetensors", header, last)  # sharded folders: no check
+
+
+
 def _recording_loads(monkeypatch):
     """Patch megatron's checkpoint load to record (bytes, largest tensor) of each load's result,
     whoever calls it: a whole-model load anywhere in the export shows up here."""
@@ -160,7 +260,11 @@ def test_export_builds_the_model_without_its_weights(moe_checkpoint):
 
 
 def test_shards_pack_in_order_and_rounds_cover_them():
-    from megatron_rlhf.convert.streaming_export import ExportPlan, ParamExport, pack_shards
+    from megatron_rlhf.convert.streaming_export import (
+        ExportPlan,
+        ParamExport,
+        pack_shards,
+    )
 
     params = [ParamExport(f"p{i}", size, ((f"h{i}", torch.Size([size])),), torch.uint8, None)
               for i, size in enumerate([3, 3, 3, 10, 1, 2])]
@@ -286,7 +390,10 @@ def test_tools_script_converts(tiny_models, tmp_path):
 
 
 def test_a_checkpoint_loads_in_the_dtype_a_trainer_asks_for(tiny_models, tmp_path):
-    from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
+    from megatron_rlhf.checkpoint.model_ckpt import (
+        load_model_checkpoint,
+        read_checkpoint_info,
+    )
     from megatron_rlhf.distributed.launch import init_distributed
     from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
     from megatron_rlhf.models.builder import build_model

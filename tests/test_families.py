@@ -40,6 +40,11 @@ def test_checkpoint_saved_at_ep2_reloads_at_other_layouts(families, layout):
     assert 0 <= families[f"ckpt/ep2->{layout}"] < 1e-5
 
 
+def test_checkpoint_imported_at_ep2_equals_transformers(families):
+    # The streamed HF -> Megatron import, each EP rank writing its experts, reloaded at EP=2.
+    assert 0 <= families["ckpt/ep2_import_vs_hf"] < TOLERANCE
+
+
 @pytest.mark.parametrize("scenario", ["qwen3_moe_ep2", "deepseek_v3_tp2ep2", "qwen2_moe_pp2ep2"])
 def test_engine_logprobs_match_trainer_after_expert_sync(families, scenario):
     assert 0 <= families[f"sync/{scenario}"] < 1e-5

@@ -33,6 +33,11 @@ def test_tp2_checkpoint_reloads_with_same_logits(parity, layout):
     assert 0 <= parity[f"ckpt/tp2->{layout}"] < 1e-5
 
 
+def test_checkpoint_imported_at_tp2_equals_transformers(parity):
+    # The streamed HF -> Megatron import, each TP rank writing its shards, reloaded at TP=2.
+    assert 0 <= parity["ckpt/tp2_import_vs_hf"] < TOLERANCE
+
+
 @pytest.mark.parametrize("model", ["qwen2_rm", "llama_rm"])
 @pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
 def test_reward_scores_match_transformers(parity, model, layout):

@@ -73,8 +73,10 @@ def check_writable(out_dir: str | os.PathLike) -> Path:
 
 
 def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
-                          dtype: torch.dtype, hf_assets_dir: str | os.PathLike) -> Path:
-    """Collectively save ``model`` (all ranks call this) atomically into ``out_dir``."""
+                          dtype: torch.dtype, hf_assets_dir: str | os.PathLike,
+                          sharded_strategy=None) -> Path:
+    """Collectively save ``model`` (all ranks call this) atomically into ``out_dir``;
+    ``sharded_strategy``: a ``dist_checkpointing`` save strategy (default: megatron's)."""
     from megatron.core import dist_checkpointing
 
     out = Path(out_dir)
@@ -86,7 +88,8 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
         (partial / "model").mkdir(parents=True)
         copy_hf_assets(hf_assets_dir, partial / "hf")
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"))
+    dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"),
+                            sharded_strategy=sharded_strategy)
     dist.barrier()
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "kind": arch.kind, "family": arch.family,

@@ -5,15 +5,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from megatron_rlhf.checkpoint.model_ckpt import (check_writable, read_checkpoint_info,
-                                                 save_model_checkpoint)
+from megatron_rlhf.checkpoint.model_ckpt import (
+    check_writable,
+    read_checkpoint_info,
+    save_model_checkpoint,
+)
 from megatron_rlhf.convert.hf_io import HFReader
 from megatron_rlhf.convert.streaming_export import export_hf
-from megatron_rlhf.convert.weights import load_hf_weights
+from megatron_rlhf.convert.streaming_import import streaming_strategy
+from megatron_rlhf.convert.weights import hf_sources
 from megatron_rlhf.distributed.launch import init_distributed
 from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.models.builder import build_model
+from megatron_rlhf.models.builder import build_meta_model
 from megatron_rlhf.models.hf_config import arch_from_hf_config, padded_vocab_size
 
 
@@ -34,18 +38,20 @@ def read_hf_arch(hf_dir: str | os.PathLike):
 def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayout()) -> Path:
     """Convert an HF ``*ForCausalLM`` / ``*ForSequenceClassification`` folder into a checkpoint.
 
-    Runs under any layout (all ranks call it); each rank reads only the tensors of its stage.
+    Runs under any layout (all ranks call it); each rank reads only the tensors of its stage,
+    streamed: no rank holds its model share (see :mod:`megatron_rlhf.convert.streaming_import`).
     """
     arch = read_hf_arch(hf_dir)
-    reader = HFReader(hf_dir)
+    reader = HFReader(hf_dir, mmap=False)
     check_writable(out_dir)
     init_distributed()
     groups = build_parallel_groups(layout, arch.shape)
     dtype = reader.dtype()
     padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
-    model = build_model(arch, groups, dtype, padded)
-    load_hf_weights(model, reader, arch, groups, padded)
-    return save_model_checkpoint(model, out_dir, arch, padded, dtype, hf_dir)
+    model = build_meta_model(arch, groups, dtype, padded)
+    strategy = streaming_strategy(model, reader, hf_sources(model, reader, arch, groups, padded),
+                                  groups)
+    return save_model_checkpoint(model, out_dir, arch, padded, dtype, hf_dir, strategy)
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> Path:

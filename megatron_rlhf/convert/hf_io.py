@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -23,6 +24,13 @@ HF_ASSET_PATTERNS = ("config.json", "generation_config.json", "tokenizer*", "voc
                      "tokenizer.model", "added_tokens.json")
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
 def _open(path: Path):
     """``safe_open`` whose failure on a damaged file (truncated download, wrong format) names it."""
     try:
@@ -32,9 +40,16 @@ def _open(path: Path):
 
 
 class HFReader:
-    """Lazy tensor reader over ``model.safetensors`` or a sharded ``*.index.json`` folder."""
+    """Lazy tensor reader over ``model.safetensors`` or a sharded ``*.index.json`` folder.
 
-    def __init__(self, hf_dir: str | os.PathLike):
+    safetensors memory-maps each file it opens, and every page read stays in the process's
+    resident set while the file is open: a reader walking a whole model that way grows as large
+    as the model's biggest file. ``mmap=False`` reads each tensor into its own buffer instead
+    (see :func:`read_tensor`), so only the tensors still referenced occupy memory; conversions
+    use it. The default keeps safetensors' reader (model loads that keep every tensor anyway).
+    """
+
+    def __init__(self, hf_dir: str | os.PathLike, mmap: bool = True):
         self.dir = Path(hf_dir)
         if not self.dir.is_dir():
             raise UserError(f"Hugging Face folder not found: {self.dir}")
@@ -49,11 +64,13 @@ class HFReader:
         else:
             raise UserError(f"no model.safetensors or model.safetensors.index.json in {self.dir}")
         self._handles = {}
+        self._mmap = mmap
+        self._headers: dict[str, dict] = {}
 
     def names(self) -> list[str]:
         return list(self.files)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         if name not in self.files:
             raise UserError(f"tensor {name!r} is missing from {self.dir}")
         file = self.files[name]
@@ -62,10 +79,42 @@ class HFReader:
             if not path.is_file():
                 raise UserError(f"missing weight file {path}")
             self._handles[file] = _open(path)
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        if not self._mmap:
+            return self._read(name)
+        handle = self._handle(name)
         try:
-            return self._handles[file].get_tensor(name)
+            return handle.get_tensor(name)
         except Exception as err:  # safetensors raises its own SafetensorError
-            raise UserError(f"{self.dir / file}: cannot read tensor {name!r} ({err})") from None
+            raise UserError(f"{self.dir / self.files[name]}: cannot read tensor {name!r} "
+                            f"({err})") from None
+
+    def _header(self, name: str) -> tuple[Path, dict]:
+        if name not in self.files:
+            raise UserError(f"tensor {name!r} is missing from {self.dir}")
+        path = self.dir / self.files[name]
+        if path.name not in self._headers:
+            if not path.is_file():
+                raise UserError(f"missing weight file {path}")
+            self._headers[path.name] = read_header(path)
+        return path, self._headers[path.name]
+
+    def _read(self, name: str) -> torch.Tensor:
+        self.meta(name)  # checks the header's entry
+        path, header = self._header(name)
+        return read_tensor(path, header, name)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor with ``name``'s shape and dtype, from the file's header (no bytes)."""
+        path, header = self._header(name)
+        entry = header.get(name)
+        if entry is None or entry.get("dtype") not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{path}: cannot read tensor {name!r} (not in the file's header or "
+                            "of an unsupported dtype)")
+        return torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]],
+                           device="meta")
 
     def dtype(self) -> torch.dtype:
         """The checkpoint's floating dtype, read from its stored tensors (not the config)."""
@@ -74,6 +123,35 @@ class HFReader:
             if tensor.is_floating_point():
                 return tensor.dtype
         raise UserError(f"no floating-point tensors in {self.dir}")
+
+
+def read_header(path: Path) -> dict:
+    """A safetensors file's header: tensor name -> {dtype, shape, data_offsets}, plus the
+    offset its data starts at (``"__data_start__"``)."""
+    try:
+        with open(path, "rb") as file:
+            (size,) = struct.unpack("<Q", file.read(8))
+            if size > _MAX_HEADER:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(file.read(size))
+    except (OSError, ValueError, struct.error) as err:
+        raise UserError(f"{path}: not a readable safetensors file ({err})") from None
+    header.pop("__metadata__", None)
+    header["__data_start__"] = 8 + size
+    return header
+
+
+def read_tensor(path: Path, header: dict, name: str) -> torch.Tensor:
+    """Read one tensor of a safetensors file into a new buffer (no memory map)."""
+    entry = header[name]
+    start, end = entry["data_offsets"]
+    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+    buffer = torch.empty(end - start, dtype=torch.uint8)
+    with open(path, "rb") as file:
+        file.seek(header["__data_start__"] + start)
+        if file.readinto(buffer.numpy()) != end - start:
+            raise UserError(f"{path}: cannot read tensor {name!r} (the file is truncated)")
+    return buffer.view(dtype).reshape(entry["shape"])
 
 
 def shard_file_name(index: int, count: int) -> str:

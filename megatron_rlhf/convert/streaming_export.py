@@ -24,42 +24,29 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from megatron_rlhf.checkpoint.model_ckpt import CheckpointInfo, read_sharded
-from megatron_rlhf.convert.hf_io import copy_hf_assets, shard_file_name, write_index, write_shard
-from megatron_rlhf.convert.mapping import Rule, layer_offsets, mapped_parameters, rule_for
+from megatron_rlhf.convert.hf_io import (
+    copy_hf_assets,
+    shard_file_name,
+    write_index,
+    write_shard,
+)
+from megatron_rlhf.convert.mapping import (
+    Rule,
+    layer_offsets,
+    mapped_parameters,
+    rule_for,
+)
 from megatron_rlhf.distributed.layout import ParallelGroups
-from megatron_rlhf.models.builder import build_model, uses_transformer_engine
-
-_META = torch.device("meta")
-
-
-class _OnMeta(TorchFunctionMode):
-    """Sends the explicit device requests of a model build to the meta device too.
-
-    ``torch.device("meta")`` only sets the default: megatron's GPU path asks for
-    ``device=torch.cuda.current_device()`` and ``build_model`` ends with ``.to(device())``, which
-    would allocate (or refuse to copy out of meta). Dtype casts still apply.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = _META
-        if func in (torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.to) and args[0].is_meta:
-            dtype = kwargs.get("dtype")
-            dtype = dtype or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
-            return args[0] if dtype is None else func(args[0], dtype=dtype)
-        return func(*args, **kwargs)
+from megatron_rlhf.models.builder import build_meta_model, uses_transformer_engine
 
 
 def meta_model(info: CheckpointInfo, groups: ParallelGroups):
     """The checkpoint's model under ``groups`` (TP=PP=EP=1 for an export) with every parameter
     and buffer on the meta device: its names, shapes and sharded keys, without its bytes."""
-    with torch.device(_META), _OnMeta():
-        return build_model(info.arch, groups, info.dtype, info.padded_vocab)
+    return build_meta_model(info.arch, groups, info.dtype, info.padded_vocab)
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, has_transformer_engine, platform_is_cpu
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.hf_config import ModelArch, RopeScaling, padded_vocab_size
 from megatron_rlhf.models.megatron_config import ModelOptions, transformer_config
+
+_META = torch.device("meta")
 
 
 def uses_transformer_engine() -> bool:
@@ -153,3 +156,31 @@ def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = to
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
     return model.to(device())
+
+
+class _OnMeta(TorchFunctionMode):
+    """Sends the explicit device requests of a model build to the meta device too.
+
+    ``torch.device("meta")`` only sets the default: megatron's GPU path asks for
+    ``device=torch.cuda.current_device()`` and ``build_model`` ends with ``.to(device())``, which
+    would allocate (or refuse to copy out of meta). Dtype casts still apply.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _META
+        if func in (torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.to) and args[0].is_meta:
+            dtype = kwargs.get("dtype")
+            dtype = dtype or next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+            return args[0] if dtype is None else func(args[0], dtype=dtype)
+        return func(*args, **kwargs)
+
+
+def build_meta_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype,
+                     padded_vocab: int):
+    """:func:`build_model` with every parameter and buffer on the meta device: the names, shapes
+    and sharded keys of this rank's stage without its bytes (what streaming conversions plan
+    from)."""
+    with torch.device(_META), _OnMeta():
+        return build_model(arch, groups, dtype, padded_vocab)
