@@ -132,3 +132,35 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
             continue
         out[members] = values - (values.sum() - values) / (count - 1)
     return out
+
+
+def group_mean_baseline(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Score minus the mean of its group (its prompt's samples, itself included); a group of one
+    keeps its score, as verl's REINFORCE++-baseline. ``[N] -> [N]``."""
+    out = scores.clone()
+    for group in torch.unique(group_ids):
+        members = group_ids == group
+        if int(members.sum()) > 1:
+            out[members] = scores[members] - scores[members].mean()
+    return out
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor,
+                            gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262): the token rewards' (score on the last token,
+    any in-reward KL on every token) discounted return-to-go, whitened over the whole batch's
+    response tokens. No critic and no group: the batch is the baseline. ``[B, T]`` -> (advantages,
+    returns) ``[B, T]``."""
+    returns = discounted_returns(rewards, mask, gamma)
+    return masked_whiten(returns, mask) * mask, returns
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tensor,
+                                     mask: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++-baseline: each score minus its group's mean (:func:`group_mean_baseline`),
+    broadcast to its response tokens, then whitened over the batch's tokens (not per group, the
+    difference from GRPO). ``scores [N]``, ``mask [N, T]`` -> ``[N, T]``."""
+    per_token = group_mean_baseline(scores, group_ids)[:, None] * mask
+    return masked_whiten(per_token, mask) * mask

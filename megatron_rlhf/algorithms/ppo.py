@@ -12,27 +12,52 @@ import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+             "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+POLICY_LOSSES = ("vanilla", "gspo")
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str,
+              horizon: int | None = None) -> torch.Tensor:
     """Reduce a ``[B, T]`` loss to a scalar.
 
-    token-mean: mean over all valid tokens; seq-mean-token-sum: per-sequence sum, then mean over
-    sequences; seq-mean-token-mean: per-sequence mean, then mean over sequences. The sequence
-    means count only rows with at least one valid token (an empty response trains nothing and
-    does not dilute the others), as verl's ``agg_loss``.
+    token-mean: mean over all valid tokens (DAPO's token-level loss); token-sum: their sum;
+    seq-mean-token-sum: per-sequence sum, then mean over sequences; seq-mean-token-mean:
+    per-sequence mean, then mean over sequences (GRPO's); seq-mean-token-sum-norm: per-sequence
+    sum divided by the constant ``horizon`` (the generation budget), then mean over sequences
+    (Dr. GRPO: no length normalisation, a constant scale instead). The sequence means count only
+    rows with at least one valid token (an empty response trains nothing and does not dilute the
+    others), as verl's ``agg_loss``.
     """
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         return masked_mean(loss, mask)
+    if mode == "token-sum":
+        return (loss * mask).sum()
     tokens = mask.sum(dim=1)
     if mode == "seq-mean-token-sum":
         return (loss * mask).sum(dim=1).sum() / nonempty_rows(mask)
     if mode == "seq-mean-token-mean":
         return ((loss * mask).sum(dim=1) / tokens.clamp(min=1)).sum() / nonempty_rows(mask)
+    if mode == "seq-mean-token-sum-norm":
+        if not horizon or horizon < 1:
+            raise ValueError("seq-mean-token-sum-norm needs the constant horizon (max length)")
+        return (loss * mask).sum(dim=1).sum() / (nonempty_rows(mask) * horizon)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose from {AGG_MODES}")
+
+
+def aggregate_denominator(mask: torch.Tensor, mode: str, horizon: int | None = None) -> torch.Tensor:
+    """What :func:`aggregate` divides the masked sum of ``[B, T]`` by for ``mode``: tokens,
+    non-empty sequences (times the horizon), or 1 (token-sum). Summed over micro-batches it is
+    the mini-batch's own, which is how losses computed in pieces add up to the whole's."""
+    if mode == "token-mean":
+        return mask.sum().clamp(min=1.0)
+    if mode == "token-sum":
+        return torch.tensor(1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return nonempty_rows(mask) * float(horizon)
+    return nonempty_rows(mask)
 
 
 def nonempty_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -70,11 +95,14 @@ class PolicyLossOutput:
 
 def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-                dual_clip: float | None = 3.0, agg_mode: str = "token-mean") -> PolicyLossOutput:
+                dual_clip: float | None = 3.0, agg_mode: str = "token-mean",
+                token_weights: torch.Tensor | None = None,
+                horizon: int | None = None) -> PolicyLossOutput:
     """PPO clipped surrogate with separate low/high ranges and dual clip (Ye et al. 2020).
 
     ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``; for ``A < 0`` additionally
-    ``min(L, -A * dual_clip)``. All ``[B, T]``.
+    ``min(L, -A * dual_clip)``. All ``[B, T]``. ``token_weights [B, T]`` (no gradient) multiply
+    each token's loss: the rollout correction's importance weights.
     """
     log_ratio = (logprob - old_logprob).clamp(min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
@@ -89,20 +117,54 @@ def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: to
         bound = -advantages * dual_clip
         dual_used = ((advantages < 0) & (loss > bound)).to(loss.dtype)
         loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
-    return PolicyLossOutput(aggregate(loss, mask, agg_mode), masked_mean(clip_used, mask),
+    if token_weights is not None:
+        loss = loss * token_weights
+    return PolicyLossOutput(aggregate(loss, mask, agg_mode, horizon), masked_mean(clip_used, mask),
                             masked_mean(-log_ratio, mask), masked_mean(dual_used, mask))
+
+
+def sequence_log_ratio(old_logprob: torch.Tensor, logprob: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised sequence log-ratio ``mean_t(log pi - log pi_old)``: ``[B, T] -> [B]``."""
+    tokens = mask.sum(dim=1).clamp(min=1.0)
+    return ((logprob - old_logprob) * mask).sum(dim=1) / tokens
+
+
+def gspo_policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4,
+                     agg_mode: str = "seq-mean-token-mean",
+                     token_weights: torch.Tensor | None = None,
+                     horizon: int | None = None) -> PolicyLossOutput:
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per sequence,
+    ``s_i = exp(mean_t log(pi / pi_old))``, clipped to ``[1 - clip_low, 1 + clip_high]`` (its
+    own, much narrower range than PPO's). In the token form of its section 4.3 (as verl), each
+    token carries ``s_i * pi_t / sg(pi_t)``: the value is ``s_i`` and the gradient flows through
+    every token's own log-prob. ``[B, T]`` in, the sequence-mean loss out.
+    """
+    seq = sequence_log_ratio(old_logprob, logprob, mask).detach()
+    log_ratio = (logprob - logprob.detach() + seq[:, None]).clamp(max=10.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        loss = loss * token_weights
+    clip_used = (clipped > unclipped).to(loss.dtype)
+    return PolicyLossOutput(aggregate(loss, mask, agg_mode, horizon), masked_mean(clip_used, mask),
+                            masked_mean(old_logprob - logprob, mask), torch.zeros(()))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                mask: torch.Tensor, cliprange_value: float | None = 0.5,
-               agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
+               agg_mode: str = "token-mean",
+               horizon: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``; returns (loss, clipfrac)."""
     unclipped = (values - returns) ** 2
     if cliprange_value is None:
-        return 0.5 * aggregate(unclipped, mask, agg_mode), torch.zeros(())
+        return 0.5 * aggregate(unclipped, mask, agg_mode, horizon), torch.zeros(())
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     clipped = (clipped_values - returns) ** 2
-    loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), mask, agg_mode)
+    loss = 0.5 * aggregate(torch.maximum(unclipped, clipped), mask, agg_mode, horizon)
     return loss, masked_mean((clipped > unclipped).to(values.dtype), mask)
 
 
