@@ -65,7 +65,7 @@ def run(root: Path, layout, pack: int, agg: str) -> tuple:
     denominator = (float(batch["loss_mask"].sum()) if agg == "token-mean" else float(len(rows)))
     weight = 2 * groups.layout.dp / denominator  # two micro-batches per rank
     loss = lambda out, b: actor_loss(out, b, vocab_size=arch.vocab_size, groups=groups, cfg=cfg,  # noqa: E731
-                                     kl_loss_coef=0.1, temperature=1.0)
+                                     kl_loss_coef=0.1, temperature=1.0, horizon=16)
     result = train_step(trainable, micro_batches(batch, mine, 2, {"loss_weight": weight}, pack), loss)
     metrics = reduce_metrics(result.metrics, groups, ACTOR_KEYS)
     rows_used = sum(m["input_ids"].shape[0] for m in micro)

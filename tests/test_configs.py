@@ -30,3 +30,11 @@ def test_rm_configs_validate(path):
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("sft/*.yaml")), ids=lambda p: p.name)
 def test_sft_configs_validate(path):
     validate_sft_config(load_config(SFTConfig, str(path), []))
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("ppo/*.yaml")), ids=lambda p: p.name)
+def test_ppo_configs_validate(path):
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+
+    validate_ppo_config(load_config(PPOConfig, str(path), []))

@@ -260,11 +260,7 @@ def test_export_builds_the_model_without_its_weights(moe_checkpoint):
 
 
 def test_shards_pack_in_order_and_rounds_cover_them():
-    from megatron_rlhf.convert.streaming_export import (
-        ExportPlan,
-        ParamExport,
-        pack_shards,
-    )
+    from megatron_rlhf.convert.streaming_export import ExportPlan, ParamExport, pack_shards
 
     params = [ParamExport(f"p{i}", size, ((f"h{i}", torch.Size([size])),), torch.uint8, None)
               for i, size in enumerate([3, 3, 3, 10, 1, 2])]
@@ -390,10 +386,7 @@ def test_tools_script_converts(tiny_models, tmp_path):
 
 
 def test_a_checkpoint_loads_in_the_dtype_a_trainer_asks_for(tiny_models, tmp_path):
-    from megatron_rlhf.checkpoint.model_ckpt import (
-        load_model_checkpoint,
-        read_checkpoint_info,
-    )
+    from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
     from megatron_rlhf.distributed.launch import init_distributed
     from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
     from megatron_rlhf.models.builder import build_model

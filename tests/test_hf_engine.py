@@ -38,3 +38,56 @@ def test_logprobs_are_the_tempered_teacher_forced_ones(engine_and_reference, tem
         scored = torch.log_softmax(logits / (temperature or 1.0), dim=-1)[len(prompt) - 1:-1]
         expected = scored[:len(g.tokens)].gather(-1, torch.tensor(g.tokens)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-5), (g, expected)
+
+
+def _teacher_forced(model, batch, temperature):
+    """``log p(target)`` of every position of ``batch`` under ``model`` (the target grid)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits.float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, batch["targets"][..., None])[..., 0]
+
+
+def test_rollout_correction_on_a_perturbed_engine(engine_and_reference, tiny_models):
+    """Noise added to the engine's weights after the sync: the driver's correction weights and
+    masks are those of the perturbed model's own probabilities, computed apart."""
+    import copy
+    from types import SimpleNamespace
+
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+    from megatron_rlhf.trainer.ppo_driver import PPORun
+    from megatron_rlhf.trainer.ppo_experience import build_batch
+
+    _, reference = engine_and_reference
+    perturbed = copy.deepcopy(reference)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in perturbed.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    engine = HFGenerator(str(tiny_models["qwen2_policy"]), torch.float32, pad_id=0, eos_id=1)
+    engine.load_weights((n, p.detach().clone()) for n, p in perturbed.named_parameters())
+    gens = engine.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=3))
+    batch = build_batch([tuple(p) for p in PROMPTS], gens, pad_id=0)
+    mask = batch["loss_mask"]
+    old = _teacher_forced(reference, batch, 1.0) * mask  # the trainer's (unperturbed) policy
+    rollout = _teacher_forced(perturbed, batch, 1.0) * mask  # what the engine sampled from
+
+    cfg = PPOConfig()
+    cfg.algorithm.rollout_correction.mode = "tis+mask"
+    cfg.algorithm.rollout_correction.tis_cap = 1.5
+    cfg.algorithm.rollout_correction.mask_low, cfg.algorithm.rollout_correction.mask_high = 0.9, 1.1
+    actor = SimpleNamespace(call=lambda *args: [(0, (old, None))])
+    run = SimpleNamespace(cfg=cfg, actor=actor)
+    run.correct = lambda *args: PPORun.correct(run, *args)
+    metrics = PPORun.log_probs(run, batch, gens)
+
+    ratio = torch.exp(old - rollout)
+    expected_weights = ratio.clamp(max=1.5) * mask
+    assert torch.allclose(batch["is_weights"], expected_weights, atol=1e-5)
+    geometric = torch.exp(((old - rollout) * mask).sum(1) / mask.sum(1))
+    expected_keep = (geometric >= 0.9) & (geometric <= 1.1)
+    assert batch["train_rows"].tolist() == expected_keep.tolist()
+    # The perturbation is visible and both corrections act on this batch.
+    assert metrics["rollout/logprob_diff_max"] > 0.05
+    assert 0 < metrics["rollout/is_capped_fraction"] < 1
+    assert 0 < metrics["rollout/masked_fraction"] < 1
+    assert metrics["rollout/masked_fraction"] == pytest.approx(1 - expected_keep.float().mean().item())

@@ -10,7 +10,6 @@ from megatron_rlhf.config.ppo_schema import AlgorithmConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.rollout.base import Generation
 from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages, sample_kl
-from megatron_rlhf.trainer.ppo_losses import micro_denominator
 from megatron_rlhf.trainer.ppo_worker import dp_slice
 
 
@@ -73,11 +72,11 @@ def test_micro_denominators_rebuild_the_mini_batch_aggregate():
     for mode, whole in (("token-mean", (loss * mask).sum() / mask.sum()),
                         ("seq-mean-token-sum", (loss[:4] * full).sum(1).mean()),
                         ("seq-mean-token-mean", ((loss[:4] * full).sum(1) / full.sum(1)).mean())):
-        from megatron_rlhf.algorithms.ppo import aggregate
+        from megatron_rlhf.algorithms.ppo import aggregate, aggregate_denominator
 
         parts = [(loss[:1], mask[:1]), (loss[1:], mask[1:])]
         denominator = mask.sum() if mode == "token-mean" else 4.0
-        rebuilt = sum(aggregate(l, m, mode) * micro_denominator(m, mode) for l, m in parts) / denominator
+        rebuilt = sum(aggregate(l, m, mode) * aggregate_denominator(m, mode) for l, m in parts) / denominator
         assert torch.allclose(rebuilt, whole)
 
 
@@ -97,7 +96,8 @@ def test_logged_value_loss_is_the_optimised_mini_batch_loss(mode):
     sums = dict.fromkeys(CRITIC_KEYS, 0.0)
     for rows in (slice(0, 1), slice(1, 4)):
         micro = {k: v[rows] for k, v in batch.items()} | {"loss_weight": 1.0}
-        _, metrics = critic_loss(output[rows, :, None], micro, cliprange_value=0.2, agg_mode=mode)
+        _, metrics = critic_loss(output[rows, :, None], micro, cliprange_value=0.2, agg_mode=mode,
+                                 horizon=4)
         sums = {k: sums[k] + float(metrics[k]) for k in CRITIC_KEYS}
     logged = _average([sums | {"grad_norm": 0.0, "lr": 0.0}], "critic")["critic/vf_loss"]
     whole, _ = value_loss(output, old, returns, mask, 0.2, mode)
@@ -148,6 +148,16 @@ def _config(*overrides):
     (["actor.clip_ratio=-1"], "actor.clip_ratio=-1.0 must be positive"),
     (["resource_pool.critic=separate", "resource_pool.critic_world_size=0"],
      "resource_pool.critic_world_size=0 must be positive"),
+    (["algorithm.filter_groups.enable=true"], "algorithm.adv_estimator=gae has none"),
+    (["algorithm.adv_estimator=grpo", "rollout.n=2", "algorithm.filter_groups.enable=true",
+      "algorithm.filter_groups.oversample=0.5"], "filter_groups.oversample=0.5 must be >= 1"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=600"],
+     "reward.overlong_buffer.len=600 must be in (0, data.max_response_length=512]"),
+    (["actor.policy_loss=gpo"], "actor.policy_loss='gpo' must be one of vanilla, gspo"),
+    (["actor.loss_agg_mode=token-max"], "actor.loss_agg_mode='token-max'"),
+    (["algorithm.adv_estimator=reinforce"], "algorithm.adv_estimator='reinforce'"),
+    (["algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.mask_high=0.9"],
+     "0 < mask_low < 1 < mask_high"),
 ])
 def test_bad_ppo_configs_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -293,9 +303,12 @@ def test_rollback_hides_the_undone_steps_in_tensorboard(tmp_path):
 
 
 def test_mini_batch_denominator_counts_non_empty_responses():
-    from megatron_rlhf.trainer.ppo_worker import _denominator
+    from megatron_rlhf.algorithms.ppo import aggregate_denominator
 
-    batch = {"loss_mask": torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]])}
-    assert _denominator(batch, [0, 1, 2], "seq-mean-token-sum") == 2.0
-    assert _denominator(batch, [1, 3], "seq-mean-token-mean") == 1.0  # nothing to train: no 0/0
-    assert _denominator(batch, [0, 1, 2, 3], "token-mean") == 5.0
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1], [0, 0, 0]])
+    _denominator = lambda rows, mode: float(aggregate_denominator(mask[rows], mode, 8))  # noqa: E731
+    assert _denominator([0, 1, 2], "seq-mean-token-sum") == 2.0
+    assert _denominator([1, 3], "seq-mean-token-mean") == 1.0  # nothing to train: no 0/0
+    assert _denominator([0, 1, 2, 3], "token-mean") == 5.0
+    assert _denominator([0, 1, 2], "seq-mean-token-sum-norm") == 16.0  # 2 responses x horizon 8
+    assert _denominator([0, 1, 2], "token-sum") == 1.0

@@ -157,3 +157,88 @@ def test_against_verl_where_installed():
     theirs, _ = core.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=config)
     ours, _ = adv.reinforce_pp_advantages(rewards, mask, 0.9)
     assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+# ---------------------------------------------------------------- dynamic sampling's rounds
+class _FakeRun:
+    """What :func:`rollout_with_signal` uses of a PPO run. Prompt ``i`` is "solved" by a fixed
+    pattern: prompts divisible by 3 by every sample, by 3 plus 1 by none, the rest by half."""
+
+    def __init__(self, train_batch_size=4, max_rounds=4, prompts=40):
+        from megatron_rlhf.config.ppo_schema import PPOConfig
+        from megatron_rlhf.data.prompts import Prompt
+        from megatron_rlhf.trainer.ppo_driver import PPORun
+
+        self.cfg = PPOConfig()
+        self.cfg.data.train_batch_size = train_batch_size
+        self.cfg.rollout.n = 2
+        self.cfg.algorithm.filter_groups.enable = True
+        self.cfg.algorithm.filter_groups.max_rounds = max_rounds
+        self.train = [Prompt((5, i), str(i)) for i in range(prompts)]
+        self.steps_per_epoch, self.pad_id, self.logs, self.generated = 1, 0, [], []
+        self.step_indices = lambda step: PPORun.step_indices(self, step)
+        self.extra_indices = lambda *a: PPORun.extra_indices(self, *a)
+
+    def sampling(self, step):
+        from megatron_rlhf.rollout.base import SamplingParams
+
+        return SamplingParams(max_tokens=4, n=2, seed=step)
+
+    def generate(self, prompts, params):
+        from megatron_rlhf.rollout.base import Generation
+
+        self.generated.append([p.ids[1] for p in prompts])
+        return [Generation(i, [7, 8], [-0.5, -0.5], True) for i in range(len(prompts))
+                for _ in range(2)]
+
+    def scores(self, prompts, gens, batch):
+        def solved(i, sample):
+            number = prompts[i].ids[1]
+            return 1.0 if number % 3 == 0 else 0.0 if number % 3 == 1 else float(sample)
+
+        score = torch.tensor([solved(g.prompt_index, row % 2) for row, g in enumerate(gens)])
+        return {"score": score, "rm": None, "turns": None, "oracle": score.clone()}
+
+    def log(self, message):
+        self.logs.append(message)
+
+
+def _timer():
+    from megatron_rlhf.trainer.ppo_driver import Timer
+
+    return Timer()
+
+
+def test_dynamic_sampling_rounds_until_the_batch_has_signal():
+    from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
+
+    run = _FakeRun(train_batch_size=4)
+    prompts, gens, batch, scored, metrics = rollout_with_signal(run, 0, _timer())
+    first = run.generated[0]
+    with_signal = [n for n in first if n % 3 == 2]
+    assert metrics["dapo/rounds"] == len(run.generated) > 1
+    assert metrics["dapo/dropped_groups"] + metrics["dapo/kept_groups"] == sum(map(len, run.generated))
+    assert metrics["dapo/kept_groups"] >= 4 and metrics["dapo/trained_groups"] == 4
+    # Every trained group has signal; later rounds draw prompts the step had not used.
+    assert all(p.ids[1] % 3 == 2 for p in prompts) and len(prompts) == 4
+    assert [p.ids[1] for p in prompts[:len(with_signal)]] == with_signal[:4]
+    seen = [n for round_ in run.generated for n in round_]
+    assert len(seen) == len(set(seen))
+    assert batch["train_rows"].all() and batch["input_ids"].shape[0] == len(gens) == 8
+    assert scored["score"].shape == (8,) and all(g.prompt_index == i // 2 for i, g in enumerate(gens))
+    # The same step draws the same extra prompts again (a resumed run repeats itself).
+    again = _FakeRun(train_batch_size=4)
+    rollout_with_signal(again, 0, _timer())
+    assert again.generated == run.generated
+
+
+def test_dynamic_sampling_trains_on_what_it_has_when_rounds_run_out():
+    from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
+
+    run = _FakeRun(train_batch_size=6, max_rounds=1)
+    prompts, gens, batch, scored, metrics = rollout_with_signal(run, 0, _timer())
+    kept = metrics["dapo/kept_groups"]
+    assert metrics["dapo/rounds"] == 1 and kept < 6 and len(prompts) == 6
+    # The batch keeps its size; the groups without signal are there but out of the loss.
+    assert batch["train_rows"].tolist() == [True] * (2 * kept) + [False] * (2 * (6 - kept))
+    assert run.logs and "groups had signal after 1 rounds" in run.logs[0]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
+from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
 from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
+
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -26,7 +30,9 @@ def reuses_update_log_probs(cfg: PPOConfig) -> bool:
     TRL and verl) instead of a separate pass. An in-reward KL still needs them beforehand."""
     a = cfg.actor
     samples = cfg.data.train_batch_size * cfg.rollout.n
-    return a.ppo_epochs == 1 and a.ppo_mini_batch_size >= samples and not cfg.algorithm.use_kl_in_reward
+    return (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= samples
+            and not cfg.algorithm.use_kl_in_reward
+            and cfg.algorithm.rollout_correction.mode == "none")  # it compares them to the engine's
 
 
 def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
@@ -50,7 +56,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_positive(name, value)
     _check_ranges(cfg)
     _choice("data.overlong", d.overlong, ("drop", "truncate"))
-    _choice("algorithm.adv_estimator", alg.adv_estimator, ("gae", "grpo", "rloo"))
+    _choice("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
     _choice("algorithm.kl_penalty", alg.kl_penalty, KL_ESTIMATORS)
     _choice("algorithm.ref_log_prob", alg.ref_log_prob, ("auto", "always"))
     if r.max_turns > 1 and not cfg.reward.fn:
@@ -67,7 +73,8 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_parallel("critic.parallel", cfg.critic.parallel, cfg.critic.moe)
     _choice("trainer.logger", t.logger, ("tensorboard", "console"))
     _choice("trainer.resume", t.resume, ("auto", "disable"))
-    if alg.adv_estimator in ("grpo", "rloo") and r.n < 2:
+    _check_recipes(cfg)
+    if alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
         raise UserError(f"config: algorithm.adv_estimator={alg.adv_estimator} compares samples of "
                         f"one prompt; set rollout.n >= 2 (got {r.n})")
     if not (cfg.reward.model_path or cfg.reward.fn):
@@ -141,3 +148,35 @@ def check_layout(cfg: PPOConfig, world: int, dp: int, generates: bool = True) ->
         raise UserError(f"config: actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must split into "
                         f"{dp} data-parallel ranks x micro-batches of "
                         f"actor.ppo_micro_batch_size_per_rank={a.ppo_micro_batch_size_per_rank}")
+
+
+def _check_recipes(cfg: PPOConfig) -> None:
+    """DAPO's dynamic sampling and overlong shaping, GSPO, rollout correction."""
+    alg, f, c = cfg.algorithm, cfg.algorithm.filter_groups, cfg.algorithm.rollout_correction
+    _choice("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES)
+    _choice("algorithm.rollout_correction.mode", c.mode, ("none", "tis", "mask", "tis+mask"))
+    _choice("algorithm.rollout_correction.mask_level", c.mask_level, MASK_LEVELS)
+    if c.mode != "none" and not (c.tis_cap > 0 and 0 < c.mask_low < 1 < c.mask_high):
+        raise UserError(f"config: algorithm.rollout_correction needs tis_cap > 0 and "
+                        f"0 < mask_low < 1 < mask_high (got {c.tis_cap}, {c.mask_low}, "
+                        f"{c.mask_high})")
+    if f.enable:
+        _choice("algorithm.filter_groups.metric", f.metric, ("score", "oracle"))
+        if alg.adv_estimator not in GROUP_ESTIMATORS:
+            raise UserError(f"config: algorithm.filter_groups drops groups without signal under "
+                            f"a group baseline; algorithm.adv_estimator={alg.adv_estimator} has "
+                            f"none (use one of {', '.join(GROUP_ESTIMATORS)})")
+        if cfg.rollout.max_turns > 1:
+            raise UserError("config: algorithm.filter_groups works on single-turn rollouts "
+                            f"(rollout.max_turns={cfg.rollout.max_turns})")
+        if f.metric == "oracle" and not (cfg.reward.oracle_fn or cfg.reward.fn):
+            raise UserError("config: algorithm.filter_groups.metric=oracle needs reward.fn "
+                            "or reward.oracle_fn")
+        check_positive("algorithm.filter_groups.max_rounds", f.max_rounds)
+        if not f.oversample >= 1:
+            raise UserError(f"config: algorithm.filter_groups.oversample={f.oversample} must "
+                            "be >= 1")
+    o = cfg.reward.overlong_buffer
+    if o.enable and not 0 < o.len <= cfg.data.max_response_length:
+        raise UserError(f"config: reward.overlong_buffer.len={o.len} must be in "
+                        f"(0, data.max_response_length={cfg.data.max_response_length}]")

@@ -52,9 +52,42 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: groups whose scores are all equal carry no signal under a group
+    baseline; they are dropped and further rounds of fresh prompts are generated until the step
+    holds ``data.train_batch_size`` groups with signal."""
+
+    enable: bool = False
+    metric: str = "score"
+    """What must differ within a group: ``score`` (the training score) or ``oracle``."""
+    max_rounds: int = 4
+    """Generation rounds per step at most (the first included). When they run out the step
+    trains on the groups it has; the other rows are masked out of the loss and logged."""
+    oversample: float = 1.5
+    """Each further round draws ``ceil(oversample * missing groups)`` fresh prompts."""
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correction for the gap between the rollout engine's and the trainer's probabilities of
+    the sampled tokens (``megatron_rlhf.algorithms.rollout_correction``)."""
+
+    mode: str = "none"
+    """``none``; ``tis``: weight every token's loss by ``min(pi_old / pi_rollout, tis_cap)``;
+    ``mask``: leave samples whose ratio is outside ``[mask_low, mask_high]`` out of the loss;
+    ``tis+mask``: both."""
+    tis_cap: float = 2.0
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    mask_level: str = "geometric"
+    """``geometric`` (the per-token geometric mean ratio) or ``sequence`` (the product)."""
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """``gae`` (needs the critic), ``grpo`` or ``rloo`` (group baselines, no critic)."""
+    """``gae`` (needs the critic); ``grpo``, ``rloo`` or ``reinforce_plus_plus_baseline`` (group
+    baselines, no critic); ``reinforce_plus_plus`` (the batch is the baseline, no critic)."""
     gamma: float = 0.99
     """Discount per token."""
     lam: float = 0.95
@@ -68,6 +101,8 @@ class AlgorithmConfig:
     kl_penalty: str = "k1"
     """Estimator for the in-reward KL: k1, abs, k2/mse, k3/low_var_kl."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     ref_log_prob: str = "auto"
     """``auto``: reference log-probs (and the reference model) only when a KL term
     (``use_kl_in_reward``, ``actor.use_kl_loss``) or the KL rollback guard needs them;
@@ -98,7 +133,13 @@ class ActorConfig:
     """Dual-clip constant for negative advantages (> 1; 0 disables)."""
     entropy_coeff: float = 0.0
     loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm
+    (per-sequence sums over ``data.max_response_length``, Dr. GRPO)."""
+    policy_loss: str = "vanilla"
+    """``vanilla`` (PPO's per-token ratio) or ``gspo`` (one length-normalised ratio per
+    sequence; its clip range defaults to 3e-4 / 4e-4 unless ``clip_ratio_low/high`` are set)."""
+    overlong_filter: bool = False
+    """Leave samples cut at ``data.max_response_length`` out of the loss (DAPO)."""
     use_kl_loss: bool = False
     """Add ``kl_loss_coef * KL(actor || reference)`` to the actor loss (GRPO style)."""
     kl_loss_coef: float = 0.001
@@ -121,6 +162,16 @@ class CriticConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment, added to the score: 0 up to ``max_response_length - len``
+    tokens, then linearly down to ``-penalty_factor`` at ``max_response_length``."""
+
+    enable: bool = False
+    len: int = 16
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     model_path: Optional[str] = None
     """Bradley-Terry reward model checkpoint from ``train-rm`` (or an HF classifier)."""
@@ -132,6 +183,7 @@ class RewardConfig:
     """The score is ``rm_weight * rm + fn_weight * fn`` over the configured sources."""
     oracle_fn: Optional[str] = None
     """A checker only measured (``reward/oracle_mean``, validation accuracy), never trained on."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass

@@ -121,11 +121,9 @@ def streaming_strategy(model, reader: HFReader, sources: dict[str, Rule], groups
                        progress: bool = True):
     """A ``dist_checkpointing.save`` strategy writing ``model``'s (meta) sharded state dict with
     each shard's bytes read from ``reader`` as it is written."""
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
+    from megatron.core.dist_checkpointing.strategies.torch import (TorchDistSaveShardedStrategy,
+                                                                   _replace_state_dict_keys_with_sharded_keys,
+                                                                   mcore_to_pyt_state_dict)
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.api import CheckpointException
@@ -158,8 +156,7 @@ def streaming_strategy(model, reader: HFReader, sources: dict[str, Rule], groups
         # Data-parallel replicas hold the same shards: megatron's wrapper hands each shard to one
         # of them (balanced by size), so K processes write about 1/K of the model each.
         from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelSaveStrategyWrapper,
-        )
+                                                                                FullyParallelSaveStrategyWrapper)
 
         strategy = FullyParallelSaveStrategyWrapper(strategy, groups.dp)
     return strategy

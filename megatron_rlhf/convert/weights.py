@@ -9,13 +9,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rlhf.convert.hf_io import HFReader
-from megatron_rlhf.convert.mapping import (
-    Rule,
-    layer_offsets,
-    mapped_parameters,
-    rule_for,
-    tp_shard,
-)
+from megatron_rlhf.convert.mapping import (Rule, layer_offsets, mapped_parameters, rule_for,
+                                           tp_shard)
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import uses_transformer_engine

@@ -10,28 +10,25 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
+from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, kl_controller, summarize_rollout
-from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages
+from megatron_rlhf.trainer.ppo_experience import compute_advantages
 
 
 def fit(run: PPORun) -> dict[str, float]:
     """The PPO loop. Every phase is a method of ``run`` or a pure function; ``timing/*`` per phase."""
     cfg, alg = run.cfg, run.cfg.algorithm
     while run.step < run.total_steps:
-        timer, prompts = Timer(), run.step_prompts(run.step)
-        with timer("gen"):
-            gens = run.generate(prompts, run.sampling(run.step), cfg.rollout.max_turns)
-        batch = build_batch([p.ids for p in prompts], gens, run.pad_id)
-        with timer("reward_values"):
-            scored = run.scores(prompts, gens, batch)
+        timer = Timer()
+        _, gens, batch, scored, sampled = run.rollout(run.step, timer)
         with timer("old_ref_log_prob"):
             sync_check = run.log_probs(batch, gens)
         with timer("adv"):
             adv = compute_advantages(batch, scored["score"], alg, run.kl_ctrl.value, scored["turns"])
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
+            run.leave_out_untrained(gens, batch)
         with timer("update_critic"):
             metrics = run.critic.call("update_critic", batch, run.step)[0] if alg.adv_estimator == "gae" else {}
         if run.step >= cfg.trainer.critic_warmup:
@@ -45,7 +42,8 @@ def fit(run: PPORun) -> dict[str, float]:
             run.actor.call("sync_weights")
         metrics |= run.advance_kl(adv, batch)
         run.step += 1
-        metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | timer | {"step": run.step}
+        metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | sampled | timer
+        metrics["step"] = run.step
         run.logger.count(len(gens), float(batch["lengths"].sum()))
         if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
             shown = {k.split("/")[-1]: metrics[k] for k in ("reward/score_mean", "actor/kl") if k in metrics}

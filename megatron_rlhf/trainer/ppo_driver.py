@@ -20,7 +20,10 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.algorithms.advantages import turn_rewards
-from megatron_rlhf.algorithms.ppo import AdaptiveKLController, FixedKLController, explained_variance
+from megatron_rlhf.algorithms.dapo import overlong_penalty
+from megatron_rlhf.algorithms.ppo import (AdaptiveKLController, FixedKLController,
+                                          explained_variance)
+from megatron_rlhf.algorithms.rollout_correction import mismatch, sequence_keep, tis_weights
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
 from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
@@ -96,11 +99,39 @@ class PPORun:
         print(f"[ppo] {message}", flush=True)
 
     # ------------------------------------------------------------------ data and rollout
-    def step_prompts(self, step: int) -> list[Prompt]:
+    def step_indices(self, step: int) -> list[int]:
+        """Indices into ``train`` of step ``step``'s prompts (epoch by epoch, seeded order)."""
         size = self.cfg.data.train_batch_size
         epoch, index = divmod(step, self.steps_per_epoch)
         order = epoch_order(len(self.train), self.cfg.trainer.seed, epoch, self.cfg.data.shuffle)
-        return [self.train[i] for i in order[index * size:(index + 1) * size]]
+        return order[index * size:(index + 1) * size]
+
+    def step_prompts(self, step: int) -> list[Prompt]:
+        return [self.train[i] for i in self.step_indices(step)]
+
+    def extra_indices(self, step: int, round_: int, count: int, exclude: set[int]) -> list[int]:
+        """Fresh prompts for a further round of dynamic sampling, none already used this step;
+        seeded by step and round, so a resumed run draws the same ones."""
+        generator = torch.Generator().manual_seed(
+            self.cfg.trainer.seed * 1_000_003 + step * 101 + round_)
+        order = torch.randperm(len(self.train), generator=generator).tolist()
+        return [i for i in order if i not in exclude][:count]
+
+    def rollout(self, step: int, timer) -> tuple[list[Prompt], list[Generation], dict, dict, dict]:
+        """Generate and score the step's samples: (prompts, generations, batch, scores,
+        metrics). With ``algorithm.filter_groups`` in rounds (DAPO's dynamic sampling, see
+        :mod:`megatron_rlhf.trainer.dynamic_sampling`)."""
+        if self.cfg.algorithm.filter_groups.enable:
+            from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
+
+            return rollout_with_signal(self, step, timer)
+        prompts = self.step_prompts(step)
+        with timer("gen"):
+            gens = self.generate(prompts, self.sampling(step), self.cfg.rollout.max_turns)
+        batch = build_batch([p.ids for p in prompts], gens, self.pad_id)
+        with timer("reward_values"):
+            scored = self.scores(prompts, gens, batch)
+        return prompts, gens, batch, scored, {}
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         r = self.cfg.rollout
@@ -167,6 +198,12 @@ class PPORun:
         elif self.reward_fn is not None:
             score += r.fn_weight * torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, truths)])
         out = {"score": score, "rm": rm, "turns": turns}
+        if r.overlong_buffer.enable:
+            o = r.overlong_buffer
+            lengths = torch.tensor([len(g.tokens) for g in gens])
+            out["overlong_penalty"] = overlong_penalty(lengths, self.cfg.data.max_response_length,
+                                                       o.len, o.penalty_factor)
+            score += out["overlong_penalty"]
         if self.oracle_fn is not None:
             out["oracle"] = torch.tensor([self.oracle_fn(t, g) for t, g in zip(texts, truths)])
         return out
@@ -189,7 +226,37 @@ class PPORun:
                 start = int(batch["loss_mask"][row].nonzero()[0])
                 engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
         gap = (engine - old).abs() * batch["loss_mask"]
-        return {"rollout/logprob_diff_max": float(gap.max())}
+        return {"rollout/logprob_diff_max": float(gap.max())} | self.correct(batch, old, engine)
+
+    def correct(self, batch: dict, old: torch.Tensor, engine: torch.Tensor) -> dict[str, float]:
+        """Rollout correction (``algorithm.rollout_correction``): TIS weights into the batch,
+        samples whose ratio leaves the band out of ``train_rows``; returns the mismatch."""
+        c, mask = self.cfg.algorithm.rollout_correction, batch["loss_mask"]
+        if c.mode == "none":
+            return {}
+        out = mismatch(old, engine, mask)
+        if "tis" in c.mode:
+            batch["is_weights"] = tis_weights(old, engine, mask, c.tis_cap)
+            out["rollout/is_weight_mean"] = float(batch["is_weights"].sum() / mask.sum().clamp(min=1))
+            out["rollout/is_capped_fraction"] = float(
+                ((old - engine > math.log(c.tis_cap)) * mask).sum() / mask.sum().clamp(min=1))
+        if "mask" in c.mode:
+            keep = sequence_keep(old, engine, mask, c.mask_low, c.mask_high, c.mask_level)
+            batch["train_rows"] = batch.get("train_rows", torch.ones_like(keep)) & keep
+            out["rollout/masked_fraction"] = float(1.0 - keep.float().mean())
+        return out
+
+    def leave_out_untrained(self, gens: list[Generation], batch: dict) -> None:
+        """Zero the loss mask of samples the update must not train on: dynamic sampling's
+        filler groups, samples the rollout correction masks and (``actor.overlong_filter``)
+        truncated ones. They stay in the batch (its size is what the layout divides), and
+        ``response_mask`` keeps every response for the rollout's statistics."""
+        rows = batch.get("train_rows", torch.ones(len(gens), dtype=torch.bool))
+        if self.cfg.actor.overlong_filter:
+            rows = rows & torch.tensor([g.finished for g in gens])
+        if not bool(rows.all()):
+            batch["response_mask"] = batch["loss_mask"]
+            batch["loss_mask"] = batch["loss_mask"] * rows[:, None]
 
     def advance_kl(self, adv: dict, batch: dict) -> dict[str, float]:
         """After an accepted update: the KL coefficients the step used (the adaptive controller
@@ -334,7 +401,7 @@ def _last_turn(g: Generation) -> list[int]:
 
 
 def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: dict) -> dict:
-    mask = batch["loss_mask"]
+    mask = batch.get("response_mask", batch["loss_mask"])  # every response, trained or not
     lengths = mask.sum(dim=1)
     out = {"reward/score_mean": float(scored["score"].mean()),
            "reward/score_median": float(statistics.median(scored["score"].tolist())),
@@ -351,4 +418,8 @@ def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: di
         out["reward/rm_mean"] = float(scored["rm"].mean())
     if gens[0].turn_ends is not None:
         out["response/turns_mean"] = sum(len(g.turn_ends) for g in gens) / len(gens)
+    if scored.get("overlong_penalty") is not None:
+        out["reward/overlong_penalty_mean"] = float(scored["overlong_penalty"].mean())
+    if "response_mask" in batch:
+        out["actor/trained_fraction"] = float((batch["loss_mask"].sum(1) > 0).float().mean())
     return out

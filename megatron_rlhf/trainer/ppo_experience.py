@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.advantages import (compute_gae, group_normalized_advantages,
-                                                 masked_mean, masked_whiten, rloo_advantages,
-                                                 token_level_rewards)
+                                                  masked_mean, masked_whiten,
+                                                  reinforce_pp_advantages,
+                                                  reinforce_pp_baseline_advantages, rloo_advantages,
+                                                  token_level_rewards)
 from megatron_rlhf.algorithms.ppo import kl_estimate
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig
 from megatron_rlhf.rollout.base import Generation
@@ -46,23 +48,27 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
     kl = torch.zeros_like(mask)
     if batch.get("old_logprobs") is not None and batch.get("ref_logprobs") is not None:
         kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
-    if cfg.adv_estimator == "gae":
+    if cfg.adv_estimator in ("gae", "reinforce_plus_plus"):
         rest = scores if turns is None else scores - turns.sum(dim=1)
         rewards = token_level_rewards(rest, mask, kl if cfg.use_kl_in_reward else None, kl_coef)
         if turns is not None:
             rewards = rewards + turns
-        advantages, returns = compute_gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+        if cfg.adv_estimator == "reinforce_plus_plus":
+            advantages, returns = reinforce_pp_advantages(rewards, mask, cfg.gamma)
+        else:
+            advantages, returns = compute_gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
+            if cfg.whiten_advantages:
+                advantages = masked_whiten(advantages, mask)
     else:
         if cfg.use_kl_in_reward:  # sequence-level methods take the KL as a score penalty
             scores = scores - kl_coef * kl.sum(dim=1)
-        if cfg.adv_estimator == "grpo":
-            per_sample = group_normalized_advantages(scores, batch["group"],
-                                                     cfg.norm_adv_by_std_in_grpo)
+        if cfg.adv_estimator == "reinforce_plus_plus_baseline":
+            advantages = reinforce_pp_baseline_advantages(scores, batch["group"], mask)
         else:
-            per_sample = rloo_advantages(scores, batch["group"])
-        advantages = per_sample[:, None] * mask
+            per_sample = (rloo_advantages(scores, batch["group"]) if cfg.adv_estimator == "rloo"
+                          else group_normalized_advantages(scores, batch["group"],
+                                                           cfg.norm_adv_by_std_in_grpo))
+            advantages = per_sample[:, None] * mask
         rewards = token_level_rewards(scores, mask)
         returns = advantages
     return {"rewards": rewards, "advantages": advantages, "returns": returns, "kl": kl}

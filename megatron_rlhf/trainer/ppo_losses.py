@@ -11,18 +11,11 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
-from megatron_rlhf.algorithms.ppo import (aggregate, entropy_from_logits, kl_estimate, nonempty_rows,
-                                          policy_loss, value_loss)
+from megatron_rlhf.algorithms.ppo import (aggregate, aggregate_denominator, entropy_from_logits,
+                                          gspo_policy_loss, kl_estimate, policy_loss, value_loss)
 from megatron_rlhf.data.packing import grid_tensor, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.forward import gather_vocab_parallel, token_cross_entropy
-
-
-def micro_denominator(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
-    """What ``aggregate`` divides by inside one micro-batch: tokens, or non-empty sequences."""
-    if agg_mode == "token-mean":
-        return mask.sum().clamp(min=1.0)
-    return nonempty_rows(mask)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
@@ -49,29 +42,36 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, groups: ParallelGroups,
 
 
 def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: ParallelGroups,
-               cfg, kl_loss_coef: float, temperature: float):
-    """PPO clipped surrogate (+ entropy bonus, + KL loss) of one micro-batch; ``cfg`` is the
-    ``actor`` config section. Returns (scaled loss, metric sums). Per-token terms are computed
-    on the model's (possibly packed) rows, then moved to the sample grid for the loss math."""
+               cfg, kl_loss_coef: float, temperature: float, horizon: int):
+    """PPO clipped surrogate, or GSPO's (+ entropy bonus, + KL loss) of one micro-batch; ``cfg``
+    is the ``actor`` config section, ``horizon`` the response budget (``seq-mean-token-sum-norm``).
+    Returns (scaled loss, metric sums). Per-token terms are computed on the model's (possibly
+    packed) rows, then moved to the sample grid for the loss math. ``is_weights`` in the batch
+    (rollout correction) weight each token's policy loss."""
     take = lambda key: grid_tensor(batch, key).to(logits.device)  # noqa: E731
     mask = take("loss_mask")
     logprob = grid_logprobs(logits, batch, vocab_size, groups, temperature)
-    clip_low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
-    clip_high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+    clip_low, clip_high = clip_range(cfg)
     # Without stored old log-probs the update is on-policy (see reuses_update_log_probs).
     old = take("old_logprobs") if _has(batch, "old_logprobs") else logprob.detach()
-    out = policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high,
-                      cfg.clip_ratio_c or None, cfg.loss_agg_mode)
+    weights = take("is_weights") if _has(batch, "is_weights") else None
+    agg = cfg.loss_agg_mode
+    if cfg.policy_loss == "gspo":
+        out = gspo_policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high, agg,
+                               weights, horizon)
+    else:
+        out = policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high,
+                          cfg.clip_ratio_c or None, agg, weights, horizon)
     loss = out.loss
     with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):
         entropy = to_grid(token_entropy(logits, vocab_size, groups, temperature), batch)
     if cfg.entropy_coeff > 0:
-        loss = loss - cfg.entropy_coeff * aggregate(entropy, mask, cfg.loss_agg_mode)
+        loss = loss - cfg.entropy_coeff * aggregate(entropy, mask, agg, horizon)
     kl = (kl_estimate(logprob, take("ref_logprobs"), cfg.kl_loss_type) if _has(batch, "ref_logprobs")
           else torch.zeros_like(logprob))
     if cfg.use_kl_loss:
-        loss = loss + kl_loss_coef * aggregate(kl, mask, cfg.loss_agg_mode)
-    tokens, denominator = mask.sum(), micro_denominator(mask, cfg.loss_agg_mode)
+        loss = loss + kl_loss_coef * aggregate(kl, mask, agg, horizon)
+    tokens, denominator = mask.sum(), aggregate_denominator(mask, agg, horizon)
     scale = denominator * batch["loss_weight"]
     # The loss is a mean over tokens or over sequences (loss_agg_mode): its sum is weighted by
     # that count, every per-token metric by the token count.
@@ -84,18 +84,28 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
     return loss * scale, metrics
 
 
+def clip_range(cfg) -> tuple[float, float]:
+    """(low, high) clip of the importance ratio: ``clip_ratio_low/high`` when set, else
+    ``clip_ratio`` for PPO and GSPO's own 3e-4 / 4e-4 (its ratio is a per-token geometric mean,
+    three orders of magnitude closer to 1)."""
+    default = (3e-4, 4e-4) if cfg.policy_loss == "gspo" else (cfg.clip_ratio, cfg.clip_ratio)
+    return (default[0] if cfg.clip_ratio_low is None else cfg.clip_ratio_low,
+            default[1] if cfg.clip_ratio_high is None else cfg.clip_ratio_high)
+
+
 def _has(batch: dict, key: str) -> bool:
     return key in batch.get("grid", batch)
 
 
-def critic_loss(output: torch.Tensor, batch: dict, *, cliprange_value: float, agg_mode: str):
+def critic_loss(output: torch.Tensor, batch: dict, *, cliprange_value: float, agg_mode: str,
+                horizon: int):
     """Clipped value loss of one micro-batch from the value head ``[b, t, 1]``."""
     take = lambda key: grid_tensor(batch, key).to(output.device)  # noqa: E731
     mask = take("loss_mask")
     values = to_grid(output[..., 0].float(), batch)
     loss, clipfrac = value_loss(values, take("values"), take("returns"), mask,
-                                cliprange_value or None, agg_mode)
-    tokens, denominator = mask.sum(), micro_denominator(mask, agg_mode)
+                                cliprange_value or None, agg_mode, horizon)
+    tokens, denominator = mask.sum(), aggregate_denominator(mask, agg_mode, horizon)
     scale = denominator * batch["loss_weight"]
     metrics = {"vf_loss": loss.detach() * denominator, "loss_denominator": denominator,
                "vf_clipfrac": clipfrac.detach() * tokens,

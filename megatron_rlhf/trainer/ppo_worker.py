@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.algorithms.ppo import nonempty_rows
-from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
+from megatron_rlhf.algorithms.ppo import aggregate_denominator
+from megatron_rlhf.checkpoint.model_ckpt import (META_FILE, load_model_checkpoint,
+                                                 read_checkpoint_info)
 from megatron_rlhf.config.loader import batch_plan
 from megatron_rlhf.config.parallel import model_options
 from megatron_rlhf.config.ppo_checks import uses_reference
@@ -29,8 +30,8 @@ from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
-from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics, set_lr_scale,
-                                          train_step, training_dtype)
+from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
+                                          set_lr_scale, train_step, training_dtype)
 from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, grid_logprobs
 from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
 
@@ -173,9 +174,9 @@ class PPOWorker:
     def generate(self, prompts: list[list[int]], params, release: bool = False) -> tuple | None:
         """This rank's generator replica's share of ``prompts``; ``release`` frees the engine's
         memory afterwards (what :meth:`release_rollout` does, without a second call)."""
-        from megatron_rlhf.rollout.engines import generator_rank
-
         import torch.distributed as dist
+
+        from megatron_rlhf.rollout.engines import generator_rank
 
         gen_dp_rank, gen_dp, is_output = generator_rank(dist.get_rank(), self.world_size,
                                                         self.config.rollout.tp)
@@ -267,9 +268,10 @@ class PPOWorker:
         cfg = self.config.actor
         loss = lambda out, b: actor_loss(out, b, vocab_size=self.arch.vocab_size,  # noqa: E731
                                          groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
-                                         temperature=self.config.rollout.temperature or 1.0)
+                                         temperature=self.config.rollout.temperature or 1.0,
+                                         horizon=self.horizon)
         sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
-                            lambda b, rows: _denominator(b, rows, cfg.loss_agg_mode))
+                            lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode))
         out = _average(sums, "actor")
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
@@ -279,10 +281,21 @@ class PPOWorker:
         cfg = self.config
         epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
         loss = lambda out, b: critic_loss(out, b, cliprange_value=cfg.critic.cliprange_value,  # noqa: E731
-                                          agg_mode=cfg.actor.loss_agg_mode)
+                                          agg_mode=cfg.actor.loss_agg_mode, horizon=self.horizon)
         sums = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
-                            lambda b, rows: _denominator(b, rows, cfg.actor.loss_agg_mode))
+                            lambda b, rows: self._denominator(b, rows, cfg.actor.loss_agg_mode))
         return _average(sums, "critic")
+
+    @property
+    def horizon(self) -> int:
+        """The response budget: ``seq-mean-token-sum-norm``'s constant divisor."""
+        return self.config.data.max_response_length
+
+    def _denominator(self, batch: dict, rows: list[int], agg_mode: str) -> float:
+        """What the mini-batch's aggregate divides by: tokens, non-empty sequences (times the
+        horizon), or 1 (see :func:`~megatron_rlhf.algorithms.ppo.aggregate_denominator`)."""
+        mask = batch["loss_mask"][torch.tensor(rows)]
+        return float(aggregate_denominator(mask, agg_mode, self.horizon))
 
     def set_lr_scale(self, scale: float) -> None:
         """Scale the learning-rate schedules (rollbacks lower it)."""
@@ -298,9 +311,9 @@ class PPOWorker:
     # ----------------------------------------------------------------------------- checkpoints
     def save(self, root: str, step: int, state: dict) -> str:
         """Save this rank's models at ``step``; the driver prunes once every group has saved."""
-        from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
-
         from pathlib import Path
+
+        from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
 
         saved = None
         if "actor" in self.roles:
@@ -332,14 +345,6 @@ class PPOWorker:
         if "critic" in self.roles and self.critic is not None:
             load_train_checkpoint(Path(root) / "critic" / name, self.critic)
         self.set_lr_scale(lr_scale)
-
-
-def _denominator(batch: dict, rows: list[int], agg_mode: str) -> float:
-    """The mini-batch's tokens (token-mean) or non-empty sequences (seq-mean-*)."""
-    mask = batch["loss_mask"][torch.tensor(rows)]
-    if agg_mode == "token-mean":
-        return float(mask.sum().clamp(min=1.0))
-    return float(nonempty_rows(mask))
 
 
 def _average(sums: list[dict], prefix: str) -> dict:
