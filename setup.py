@@ -20,10 +20,19 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.10,<4",  # the demo's PNG of the PPO curves
 ]
 
+TASKS = [  # verifiable rewards: reward.fn=math (math-verify), reward.fn=reasoning_gym:<task>
+    "math-verify>=0.9,<0.10",
+    "reasoning-gym>=0.1.25,<0.2",
+    "champ-dataset>=1.0,<2",  # tools/make_task_data.py --source champ: a held-out math set
+]
+
 EXTRAS = {
     # GPU-only: never installed on CPU machines.
     "gpu": ["transformer-engine[pytorch]>=2.8", "sglang>=0.5.23"],
-    "test": [
+    "tasks": TASKS,
+    "wandb": ["wandb>=0.31,<0.32"],  # trainer.logger=[console,tensorboard,wandb]
+    "test": TASKS + [
+        "wandb>=0.31,<0.32",
         "pytest>=9,<10",
         "pytest-timeout>=2.4",
         "accelerate==1.15.0",  # transformers needs it to read the GGUF file of the SmolLM2 test

@@ -254,3 +254,81 @@ def test_multi_turn_ppo_retries_and_trains(workspace, tmp_path):
     assert all(1.1 < r["response/turns_mean"] <= 3 for r in rows)
     assert all(math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["critic/vf_loss"]) for r in rows)
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)  # engine = actor on every turn
+
+
+def test_hanging_and_raising_reward_functions_do_not_stop_the_run(workspace, tmp_path):
+    """A fifth of the responses hang the reward function and a fifth make it raise: each is
+    scored 0, counted and named, and the run finishes."""
+    out = tmp_path / "run"
+    args = overrides(workspace, out, "reward.fn=tests.reward_helpers:flaky", "reward.workers=2",
+                     "reward.timeout_s=1", "reward.oracle_fn=addition", "trainer.max_steps=2",
+                     "trainer.eval_every_steps=0", "trainer.val_before_train=false")
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = [r for r in metrics(out) if "reward/errors" in r]
+    assert len(rows) == 2
+    assert sum(r["reward/timeouts"] for r in rows) > 0 and sum(r["reward/errors"] for r in rows) > 0
+    assert "reward 'tests.reward_helpers:flaky' timed out (reward.timeout_s=1)" in stdout
+    assert "reward 'tests.reward_helpers:flaky' raised RuntimeError" in stdout
+
+
+def test_dapo_gspo_and_rollout_correction_run_end_to_end(workspace, tmp_path):
+    """The recipes through the real command: dynamic sampling in rounds (with the overlong
+    shaping and filter), GSPO's sequence loss, REINFORCE++-baseline, TIS + masking."""
+    out = tmp_path / "run"
+    args = overrides(workspace, out, "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+                     "rollout.n=4", "rollout.temperature=1.0", "data.train_batch_size=4",
+                     "algorithm.use_kl_in_reward=false", "algorithm.filter_groups.enable=true",
+                     "algorithm.filter_groups.metric=oracle", "algorithm.filter_groups.max_rounds=3",
+                     "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=2",
+                     "actor.overlong_filter=true", "actor.policy_loss=gspo",
+                     "actor.loss_agg_mode=seq-mean-token-sum-norm",
+                     "algorithm.rollout_correction.mode=tis+mask", "trainer.max_steps=2",
+                     "trainer.eval_every_steps=0", "trainer.val_before_train=false")
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = [r for r in metrics(out) if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert 1 <= r["dapo/rounds"] <= 3 and r["dapo/trained_groups"] <= 4
+        assert r["dapo/kept_groups"] + r["dapo/dropped_groups"] >= 4
+        assert r["reward/overlong_penalty_mean"] <= 0.0
+        # The same weights in trainer and engine: no correction beyond float noise.
+        assert r["rollout/logprob_diff_max"] < 1e-4 and abs(r["rollout/is_weight_mean"] - 1) < 1e-4
+        assert r["rollout/masked_fraction"] == 0.0
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
+
+
+def test_training_on_offline_responses_only(workspace, tmp_path):
+    """data.offline_fraction=1: no rollouts. Each prompt comes with a right and a wrong answer
+    (a group of two); the behaviour log-probs are not in the file, so the starting policy's are
+    computed once, and the first step's importance weights are exactly 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(workspace / "data" / "prompts_train.parquet").to_pylist()
+    rows = list({row["prompt"]: row for row in table}.values())[:64]  # distinct questions
+    prompts, truths = [r["prompt"] for r in rows], [r["ground_truth"] for r in rows]
+    offline = tmp_path / "offline.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "chosen": [f"The answer is {t}." for t in truths],
+                             "rejected": [f"The answer is {int(t) + 1}." for t in truths],
+                             "ground_truth": truths}), offline)
+    out = tmp_path / "run"
+    args = overrides(workspace, out, "algorithm.adv_estimator=grpo", "rollout.n=2",
+                     f"data.offline_files=[{offline}]", "data.offline_fraction=1.0",
+                     "algorithm.rollout_correction.mode=tis", "algorithm.use_kl_in_reward=false",
+                     "data.max_response_length=12",
+                     "trainer.max_steps=3", "trainer.eval_every_steps=0",
+                     "trainer.val_before_train=false")
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "offline responses: 128 samples in 64 prompt groups" in stdout
+    assert "behaviour log-probs of 128 responses computed by the starting policy" in stdout
+    assert (out / "offline_logprobs.json").is_file()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "actor/pg_loss" in r]
+    assert [r["offline/samples"] for r in rows] == [32.0, 32.0, 32.0]
+    assert all("timing/gen" not in r for r in rows)  # nothing was generated
+    assert abs(rows[0]["rollout/is_weight_mean"] - 1.0) < 1e-5  # behaviour = starting policy
+    assert rows[0]["reward/score_mean"] == 0.5  # one right, one wrong answer per prompt
+    assert abs(rows[-1]["rollout/is_weight_mean"] - 1.0) > 1e-4  # the policy has moved since

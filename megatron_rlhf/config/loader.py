@@ -13,6 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.schema import RMConfig, SFTConfig
 from megatron_rlhf.errors import UserError
+from megatron_rlhf.monitoring import logger_kinds
 
 T = TypeVar("T")
 
@@ -150,8 +151,8 @@ def validate_training_config(config):
     for name in ("save_every_steps", "eval_every_steps", "max_steps"):
         if getattr(trainer, name) < 0:
             raise UserError(f"config: trainer.{name}={getattr(trainer, name)} must be >= 0 (0: off)")
+    logger_kinds(trainer.logger)  # one of, or a list of, console/tensorboard/wandb
     choices = {"data.overlong": (data.overlong, ("truncate", "drop")),
-               "trainer.logger": (trainer.logger, ("tensorboard", "console")),
                "trainer.resume": (trainer.resume, ("auto", "disable")),
                "model.dtype": (config.model.dtype, ("auto", "float32", "bfloat16"))}
     for name, (value, allowed) in choices.items():

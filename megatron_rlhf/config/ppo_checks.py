@@ -8,6 +8,7 @@ from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
+from megatron_rlhf.monitoring import logger_kinds
 
 ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
@@ -71,9 +72,10 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     check_parallel("actor.parallel", a.parallel, a.moe)
     if cfg.critic.parallel is not None:
         check_parallel("critic.parallel", cfg.critic.parallel, cfg.critic.moe)
-    _choice("trainer.logger", t.logger, ("tensorboard", "console"))
+    logger_kinds(t.logger)  # one of, or a list of, console/tensorboard/wandb
     _choice("trainer.resume", t.resume, ("auto", "disable"))
     _check_recipes(cfg)
+    _check_reward(cfg)
     if alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
         raise UserError(f"config: algorithm.adv_estimator={alg.adv_estimator} compares samples of "
                         f"one prompt; set rollout.n >= 2 (got {r.n})")
@@ -176,7 +178,43 @@ def _check_recipes(cfg: PPOConfig) -> None:
         if not f.oversample >= 1:
             raise UserError(f"config: algorithm.filter_groups.oversample={f.oversample} must "
                             "be >= 1")
+    d = cfg.data
+    if not 0 <= d.offline_fraction <= 1:
+        raise UserError(f"config: data.offline_fraction={d.offline_fraction} must be in [0, 1]")
+    if d.offline_fraction > 0:
+        if not d.offline_files:
+            raise UserError(f"config: data.offline_fraction={d.offline_fraction} needs "
+                            "data.offline_files")
+        if c.mode == "none":
+            raise UserError("config: data.offline_files are off-policy samples; set "
+                            "algorithm.rollout_correction.mode (tis, mask or tis+mask)")
+        if f.enable or cfg.rollout.max_turns > 1:
+            raise UserError("config: data.offline_files work with single-turn rollouts without "
+                            "algorithm.filter_groups")
     o = cfg.reward.overlong_buffer
     if o.enable and not 0 < o.len <= cfg.data.max_response_length:
         raise UserError(f"config: reward.overlong_buffer.len={o.len} must be in "
                         f"(0, data.max_response_length={cfg.data.max_response_length}]")
+
+
+def _check_reward(cfg: PPOConfig) -> None:
+    """Pool settings, the format regex, and every named reward function resolves (imports it:
+    a missing module or function stops the run here, naming the key)."""
+    import re
+
+    from megatron_rlhf.rewards.registry import RewardOptions, resolve
+
+    rw = cfg.reward
+    check_positive("reward.timeout_s", rw.timeout_s)
+    if rw.workers is not None and rw.workers < 0:
+        raise UserError(f"config: reward.workers={rw.workers} must be >= 0 (0: in the driver "
+                        "process)")
+    try:
+        re.compile(rw.format_pattern)
+    except re.error as err:
+        raise UserError(f"config: reward.format_pattern={rw.format_pattern!r} is not a valid "
+                        f"regex ({err})") from None
+    options = RewardOptions(format_pattern=rw.format_pattern)
+    for key, spec in (("reward.fn", rw.fn), ("reward.oracle_fn", rw.oracle_fn)):
+        if spec is not None:
+            resolve(spec, key, options)

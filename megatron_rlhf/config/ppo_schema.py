@@ -35,6 +35,14 @@ class PPODataConfig:
     """Pack each micro-batch's samples into rows of ``max_prompt_length + max_response_length``
     tokens (block-diagonal attention) instead of padding every sample to the longest."""
     shuffle: bool = True
+    offline_files: list[str] = field(default_factory=list)
+    """Parquet of responses to train on without generating them (``megatron_rlhf.data.offline``):
+    ``prompt`` + ``response`` (+ ``behaviour_logprobs`` per token, + the ground truth), or the
+    preference format ``prompt`` + ``chosen`` + ``rejected``."""
+    offline_fraction: float = 0.0
+    """Share of each step's prompts (``data.train_batch_size``) whose samples come from
+    ``offline_files`` instead of the rollout engine; 1.0: offline only. Needs
+    ``algorithm.rollout_correction`` (the samples are off-policy)."""
 
 
 @dataclass
@@ -176,13 +184,28 @@ class RewardConfig:
     model_path: Optional[str] = None
     """Bradley-Terry reward model checkpoint from ``train-rm`` (or an HF classifier)."""
     fn: Optional[str] = None
-    """Rule-based reward from the registry (``megatron_rlhf.rewards.registry``), e.g.
-    ``addition``; it also gives ``reward/oracle_mean``."""
+    """Rule-based reward: a built-in (``addition``, ``math``, ``format``),
+    ``reasoning_gym:<task>`` (that task's own scorer) or ``package.module:function``; called as
+    ``fn(response, ground_truth, prompt, extra)`` or ``fn(response, ground_truth)``, returning a
+    float or a dict with ``score`` and extras logged as ``reward/<name>``
+    (``megatron_rlhf.rewards.registry`` documents the arguments). It also gives
+    ``reward/oracle_mean`` unless ``oracle_fn`` is set."""
     rm_weight: float = 1.0
     fn_weight: float = 1.0
     """The score is ``rm_weight * rm + fn_weight * fn`` over the configured sources."""
     oracle_fn: Optional[str] = None
-    """A checker only measured (``reward/oracle_mean``, validation accuracy), never trained on."""
+    """A checker only measured (``reward/oracle_mean``, validation accuracy), never trained on;
+    named like ``fn``."""
+    format_pattern: str = r"<think>.*?</think>\s*<answer>.*?</answer>"
+    """The ``format`` reward's Python regex: 1.0 when it matches the whole stripped response
+    (``.`` matches newlines too)."""
+    workers: Optional[int] = None
+    """Processes that run the reward functions (on the driver's machine), each call limited to
+    ``timeout_s``; 0: in the driver process, no timeout enforced. Unset: 0 when every function
+    is ``addition`` (cheap, cannot hang), else min(4, CPUs)."""
+    timeout_s: float = 10.0
+    """Seconds one call may take in a worker; a call over it, or one that raises, scores 0 and
+    is counted (``reward/timeouts``, ``reward/errors``) and named in the log."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 

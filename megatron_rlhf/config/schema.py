@@ -7,7 +7,7 @@ YAML files under ``configs/`` and ``key=value`` overrides are merged onto these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -130,8 +130,11 @@ class TrainerConfig:
     """Passes over the training pairs."""
     output_dir: str = "runs/rm"
     """Run folder: checkpoints/, tensorboard/, and the final model."""
-    logger: str = "tensorboard"
-    """``tensorboard`` (logs under ``output_dir/tensorboard``) or ``console``."""
+    logger: Any = "tensorboard"
+    """One of ``console`` (the progress line only; always printed), ``tensorboard`` (under
+    ``output_dir/tensorboard``) and ``wandb`` (under ``output_dir/wandb``; offline unless
+    ``WANDB_MODE`` is set; the ``[wandb]`` extra), or a list of them:
+    ``[console,tensorboard,wandb]``. Every logger gets the same scalar names."""
     resume: str = "auto"
     """``auto``: continue from the newest complete checkpoint in ``output_dir``; ``disable``."""
     save_every_steps: int = 0

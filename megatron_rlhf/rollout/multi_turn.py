@@ -32,29 +32,34 @@ def feedback_tokens(tokenizer, feedback: str, stop_id: int) -> list[int]:
 
 
 def run_turns(generate: Callable[[list[list[int]], SamplingParams], list[Generation]],
-              prompts: list[list[int]], params: SamplingParams, score: Callable[[int, list[int]], float],
-              max_turns: int, feedback: list[int]) -> list[Generation]:
+              prompts: list[list[int]], params: SamplingParams,
+              score: Callable[[int, list[int]], float] | None, max_turns: int, feedback: list[int],
+              score_many: Callable[[list[tuple[int, list[int]]]], list[float]] | None = None
+              ) -> list[Generation]:
     """``params.n`` multi-turn samples per prompt, prompt-major like ``generate``.
 
     ``generate``: the engines' batched generation; ``score(prompt_index, turn_tokens)`` the
-    rule-based reward of one turn.
+    rule-based reward of one turn, or ``score_many([(prompt_index, turn_tokens), ...])`` the
+    rewards of a whole round of turns at once (so a reward pool scores them in parallel).
     """
-    samples = []
-    for g in generate(prompts, params):
-        samples.append(replace(g, mask=[1] * len(g.tokens), turn_ends=[len(g.tokens) - 1],
-                               turn_scores=[score(g.prompt_index, g.tokens)]))
+    if score_many is None:
+        score_many = lambda items: [score(i, tokens) for i, tokens in items]  # noqa: E731
+    samples = generate(prompts, params)
+    first = score_many([(g.prompt_index, g.tokens) for g in samples])
+    samples = [replace(g, mask=[1] * len(g.tokens), turn_ends=[len(g.tokens) - 1], turn_scores=[s])
+               for g, s in zip(samples, first)]
     for turn in range(1, max_turns):
         retry = [i for i, s in enumerate(samples) if s.finished and s.turn_scores[-1] < 1.0]
         if not retry:
             break
         contexts = [list(prompts[samples[i].prompt_index]) + samples[i].tokens + feedback for i in retry]
         answers = generate(contexts, replace(params, n=1, seed=params.seed + 7919 * turn))
-        for i, answer in zip(retry, answers):
+        scores = score_many([(samples[i].prompt_index, a.tokens) for i, a in zip(retry, answers)])
+        for i, answer, answer_score in zip(retry, answers, scores):
             s = samples[i]
             tokens = s.tokens + feedback + answer.tokens
             samples[i] = replace(
                 s, tokens=tokens, logprobs=s.logprobs + [0.0] * len(feedback) + answer.logprobs,
                 finished=answer.finished, mask=s.mask + [0] * len(feedback) + [1] * len(answer.tokens),
-                turn_ends=s.turn_ends + [len(tokens) - 1],
-                turn_scores=s.turn_scores + [score(s.prompt_index, answer.tokens)])
+                turn_ends=s.turn_ends + [len(tokens) - 1], turn_scores=s.turn_scores + [answer_score])
     return samples

@@ -23,6 +23,7 @@ def fit(run: PPORun) -> dict[str, float]:
     while run.step < run.total_steps:
         timer = Timer()
         _, gens, batch, scored, sampled = run.rollout(run.step, timer)
+        sampled |= run.reward_metrics()  # errors, timeouts and extras of the step's calls
         with timer("old_ref_log_prob"):
             sync_check = run.log_probs(batch, gens)
         with timer("adv"):
@@ -63,7 +64,6 @@ def setup(cfg: PPOConfig) -> PPORun:
     from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
     from megatron_rlhf.data.prompts import load_prompts
     from megatron_rlhf.orchestration.cluster import start_ray
-    from megatron_rlhf.rewards.registry import get_reward_fn
     from megatron_rlhf.trainer.ppo_worker import policy_files
 
     validate_ppo_config(cfg)
@@ -73,14 +73,14 @@ def setup(cfg: PPOConfig) -> PPORun:
     layout = layout_of(cfg.actor.parallel).resolve(world, arch.shape)
     check_layout(cfg, world, layout.dp)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
-    checkers = [get_reward_fn(name) for name in {cfg.reward.fn, cfg.reward.oracle_fn} if name]
+    rewards = _reward_scorer(cfg)
     limits = dict(tokenizer=tokenizer, prompt_key=cfg.data.prompt_key,
                   ground_truth_key=cfg.data.ground_truth_key, max_prompt=cfg.data.max_prompt_length,
-                  overlong=cfg.data.overlong, need_ground_truth=need_truth,
-                  check_truth=lambda truth: [fn("", truth) for fn in checkers])
+                  overlong=cfg.data.overlong, need_ground_truth=rewards.needs_ground_truth(),
+                  check_truth=rewards.check_ground_truth)
     train, report = load_prompts(cfg.data.train_files, **limits)
     val = load_prompts(cfg.data.val_files, **limits)[0] if cfg.data.val_files else []
+    offline = _offline(cfg, tokenizer, rewards.needs_ground_truth())
     steps_per_epoch = len(train) // cfg.data.train_batch_size
     if steps_per_epoch == 0:
         raise UserError(f"config: {len(train)} prompts are fewer than data.train_batch_size="
@@ -92,25 +92,52 @@ def setup(cfg: PPOConfig) -> PPORun:
     separate = cfg.resource_pool.critic == "separate"
     started = start_ray(cfg.ray, world + (cfg.resource_pool.critic_world_size if separate else 0), use_gpu)
     try:
-        return _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val,
-                      tokenizer, stop_ids, report)
+        rewards.start()  # the reward pool: once per run, closed by train_ppo (or below)
+        run = _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val,
+                     tokenizer, stop_ids, report, rewards)
+        run.offline = offline
+        return run
     except BaseException:
         from megatron_rlhf.orchestration.cluster import stop_ray
 
+        rewards.close()
         stop_ray(started)
         raise
 
 
+def _offline(cfg: PPOConfig, tokenizer, need_truth: bool) -> list:
+    """``data.offline_files`` as groups of samples (when ``data.offline_fraction`` uses them)."""
+    if cfg.data.offline_fraction <= 0:
+        return []
+    from megatron_rlhf.data.offline import load_offline
+
+    d = cfg.data
+    groups, report = load_offline(d.offline_files, tokenizer, d.prompt_key, d.ground_truth_key,
+                                  d.max_prompt_length, d.max_response_length, need_truth)
+    print(f"[ppo] offline responses: {report['samples']} samples in {len(groups)} prompt groups "
+          f"from {report['rows']} rows; {report['dropped']} dropped as over-long", flush=True)
+    return groups
+
+
+def _reward_scorer(cfg: PPOConfig):
+    """``reward.fn`` and ``reward.oracle_fn`` (default ``reward.fn``) resolved; the pool that
+    runs them starts later (:meth:`RewardScorer.start`)."""
+    from megatron_rlhf.rewards.registry import RewardOptions
+    from megatron_rlhf.rewards.scorer import RewardScorer
+
+    r = cfg.reward
+    return RewardScorer.from_specs(r.fn, r.oracle_fn or r.fn, RewardOptions(r.format_pattern),
+                                   r.workers, r.timeout_s)
+
+
 def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val, tokenizer,
-           stop_ids, report) -> PPORun:
+           stop_ids, report, rewards) -> PPORun:
     """Worker groups on the Ray cluster: actor (+ critic when shared), or a critic group apart."""
     from megatron_rlhf.config.ppo_checks import check_layout, optimizer_steps
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
-    from megatron_rlhf.rewards.registry import get_reward_fn
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     separate = cfg.resource_pool.critic == "separate"
-    need_truth = bool(cfg.reward.fn or cfg.reward.oracle_fn)
     updates = optimizer_steps(cfg, total, len(train[:cfg.data.train_batch_size]))
     threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // world)
     actor = WorkerGroup("actor", world, use_gpu, threads)
@@ -124,13 +151,17 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
         check_layout(cfg, size, critic_layout.dp, generates=False)
         critic = WorkerGroup("critic", size, use_gpu, threads)
         critic.build(PPOWorker, cfg, ("critic",), critic_layout, updates)
-    run = PPORun(cfg, actor, critic, tokenizer, train, val, stop_ids,
-                 get_reward_fn(cfg.reward.fn) if cfg.reward.fn else None,
-                 get_reward_fn(cfg.reward.oracle_fn or cfg.reward.fn) if need_truth else None,
-                 total, steps_per_epoch, kl_controller(cfg), ray_started=started)
+    run = PPORun(cfg, actor, critic, tokenizer, train, val, stop_ids, rewards.fns.get("fn"),
+                 rewards.fns.get("oracle"), total, steps_per_epoch, kl_controller(cfg),
+                 ray_started=started, rewards=rewards)
     run.log(f"prompts: {report}; layout {layout}; {world} worker rank(s)"
             f"{f' + {cfg.resource_pool.critic_world_size} critic rank(s)' if separate else ''}; "
             f"{total} steps of {cfg.data.train_batch_size} prompts x {cfg.rollout.n}")
+    if rewards.fns:
+        where = (f"{rewards.workers} worker process(es), {rewards.timeout_s:g} s per call"
+                 if rewards.pool is not None else "in the driver process, no timeout")
+        run.log(f"reward functions: {', '.join(sorted({f.spec for f in rewards.fns.values()}))} "
+                f"({where})")
     return run
 
 
@@ -161,6 +192,7 @@ def start(run: PPORun) -> None:
     else:
         run.trim_metrics(-1)  # a killed run that never saved starts over: drop its rows
         run.actor.call("sync_weights")
+    run.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step)
     if run.step == 0 and t.val_before_train and run.val:
         run.record({"step": 0, **run.validate(0)})
@@ -183,6 +215,8 @@ def train_ppo(cfg: PPOConfig) -> dict[str, float]:
         return last
     finally:
         if run is not None:
+            if run.rewards is not None:
+                run.rewards.close()
             if run.logger is not None:
                 run.logger.close()
             for group in {id(run.actor): run.actor, id(run.critic): run.critic}.values():

@@ -30,6 +30,8 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import MetricsLogger
+from megatron_rlhf.rewards.registry import RewardFunction
+from megatron_rlhf.rewards.scorer import RewardScorer
 from megatron_rlhf.rollout.base import Generation, SamplingParams
 from megatron_rlhf.trainer.loop import epoch_order, trim_metrics_file
 from megatron_rlhf.trainer.ppo_experience import build_batch, sample_kl, token_kl
@@ -73,8 +75,8 @@ class PPORun:
     train: list[Prompt]
     val: list[Prompt]
     stop_ids: list[int]
-    reward_fn: object
-    oracle_fn: object
+    reward_fn: RewardFunction | None  # reward.fn, resolved
+    oracle_fn: RewardFunction | None  # reward.oracle_fn (default reward.fn), resolved
     total_steps: int
     steps_per_epoch: int
     kl_ctrl: object = None
@@ -85,6 +87,15 @@ class PPORun:
     logger: MetricsLogger | None = None
     history: list[dict] = field(default_factory=list)
     ray_started: bool = False
+    offline: list = field(default_factory=list)  # data.offline_files' OfflineGroups
+    rewards: RewardScorer | None = None
+    """Runs ``reward_fn`` / ``oracle_fn`` (a process pool with a per-call timeout, or in this
+    process); made from them, in-process, when not given."""
+
+    def __post_init__(self):
+        if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
+            fns = {"fn": self.reward_fn, "oracle": self.oracle_fn}
+            self.rewards = RewardScorer({k: f for k, f in fns.items() if f is not None}, workers=0)
 
     @property
     def kl_loss_coef(self) -> float:
@@ -125,13 +136,66 @@ class PPORun:
             from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
 
             return rollout_with_signal(self, step, timer)
-        prompts = self.step_prompts(step)
-        with timer("gen"):
-            gens = self.generate(prompts, self.sampling(step), self.cfg.rollout.max_turns)
+        prompts, offline = self.step_prompts(step), self.offline_groups(step)
+        prompts = prompts[:len(prompts) - len(offline)]  # the rest of the step is offline data
+        gens = []
+        if prompts:
+            with timer("gen"):
+                gens = self.generate(prompts, self.sampling(step), self.cfg.rollout.max_turns)
+        gens += [Generation(len(prompts) + i, list(s.tokens), list(s.logprobs), True)
+                 for i, group in enumerate(offline) for s in group.samples]
+        prompts = prompts + [group.prompt for group in offline]
         batch = build_batch([p.ids for p in prompts], gens, self.pad_id)
         with timer("reward_values"):
             scored = self.scores(prompts, gens, batch)
-        return prompts, gens, batch, scored, {}
+        metrics = {"offline/samples": float(sum(len(g.samples) for g in offline))} if offline else {}
+        return prompts, gens, batch, scored, metrics
+
+    def offline_groups(self, step: int) -> list:
+        """This step's share of offline prompt groups (``data.offline_fraction``), drawn without
+        replacement by a generator seeded with the step (a resumed run draws the same)."""
+        count = round(self.cfg.data.offline_fraction * self.cfg.data.train_batch_size)
+        if not self.offline or count == 0:
+            return []
+        generator = torch.Generator().manual_seed(self.cfg.trainer.seed * 7_000_003 + step)
+        order = torch.randperm(len(self.offline), generator=generator).tolist()
+        return [self.offline[i] for i in (order * (count // len(order) + 1))[:count]]
+
+    def prepare_offline(self) -> None:
+        """Behaviour log-probs the offline files lack: the starting policy's, computed once and
+        saved with the run (``offline_logprobs.json``), so a resumed run uses the same ones."""
+        missing = [s for group in self.offline for s in group.samples if s.logprobs is None]
+        if not missing:
+            return
+        path = self.out / "offline_logprobs.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if len(saved) != len(missing):
+                raise UserError(f"{path} holds {len(saved)} responses' log-probs, data.offline_files "
+                                f"{len(missing)}: the files changed since the run started")
+            for sample, values in zip(missing, saved):
+                sample.logprobs = values
+            return
+        if self.step > 0:
+            raise UserError(f"{path} is missing: the behaviour log-probs of data.offline_files "
+                            "come from the starting policy, which a resumed run no longer has")
+        pairs = [(group.prompt, s) for group in self.offline for s in group.samples
+                 if s.logprobs is None]
+        for start in range(0, len(pairs), 256):
+            chunk = pairs[start:start + 256]
+            gens = [Generation(i, s.tokens, [0.0] * len(s.tokens), True)
+                    for i, (_, s) in enumerate(chunk)]
+            batch = build_batch([p.ids for p, _ in chunk], gens, self.pad_id)
+            old = cat_rows([part[0] for part in stitch(
+                self.actor.call("compute_log_probs", batch, True, False))])
+            for row, (_, sample) in enumerate(chunk):
+                first = int(batch["loss_mask"][row].nonzero()[0])
+                sample.logprobs = old[row, first:first + len(sample.tokens)].tolist()
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps([s.logprobs for s in missing]))
+        partial.replace(path)
+        self.log(f"offline: behaviour log-probs of {len(missing)} responses computed by the "
+                 f"starting policy (no behaviour_logprobs column), saved to {path}")
 
     def sampling(self, step: int, validation: bool = False) -> SamplingParams:
         r = self.cfg.rollout
@@ -148,9 +212,13 @@ class PPORun:
         if turns > 1:
             from megatron_rlhf.rollout.multi_turn import run_turns
 
-            check = lambda i, tokens: self.reward_fn(  # noqa: E731
-                self.tokenizer.decode(tokens, skip_special_tokens=True), prompts[i].ground_truth)
-            out = run_turns(self._generate_ids, ids, params, check, turns, self.feedback_ids)
+            def check(items: list[tuple[int, list[int]]]) -> list[float]:
+                """One round of turns through the reward functions (errors counted)."""
+                texts = [self.tokenizer.decode(tokens, skip_special_tokens=True) for _, tokens in items]
+                return self.rewards.score("fn", _calls(texts, [prompts[i] for i, _ in items]))
+
+            out = run_turns(self._generate_ids, ids, params, None, turns, self.feedback_ids,
+                            score_many=check)
             self.actor.call("release_rollout")
             return out
         return self._generate_ids(ids, params, release=True)  # one round trip, not two
@@ -179,34 +247,49 @@ class PPORun:
         # Multi-turn samples are judged by their last turn (the oracle) and trained on every
         # turn's reward; single-turn ones by the whole response.
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
-        truths = [prompts[g.prompt_index].ground_truth for g in gens]
+        calls = _calls(texts, [prompts[g.prompt_index] for g in gens])
         values = rm = None
         if self.cfg.algorithm.adv_estimator == "gae" or self.cfg.reward.model_path:
             parts = stitch(self.critic.call("compute_values", batch))
             values, rm = (cat_rows(p) for p in zip(*parts))
         batch["values"] = values
         r = self.cfg.reward
-        score, turns = torch.zeros(len(gens)), None
+        score, turns, fn_scores = torch.zeros(len(gens)), None, None
         if rm is not None:
             score += r.rm_weight * rm
         if self.reward_fn is not None and gens[0].turn_scores is not None:
+            fn_scores = [g.turn_scores[-1] for g in gens]  # the last turn, as the oracle judges
             score += r.fn_weight * torch.tensor([sum(g.turn_scores) for g in gens])
             turns = r.fn_weight * turn_rewards(
                 [g.turn_scores for g in gens],
                 [[int(batch["loss_mask"][row].nonzero()[0]) + end for end in g.turn_ends]
                  for row, g in enumerate(gens)], batch["loss_mask"].shape[1])
         elif self.reward_fn is not None:
-            score += r.fn_weight * torch.tensor([self.reward_fn(t, g) for t, g in zip(texts, truths)])
+            fn_scores = self.rewards.score("fn", calls)
+            score += r.fn_weight * torch.tensor(fn_scores)
         out = {"score": score, "rm": rm, "turns": turns}
+        if self.oracle_fn is not None:
+            # The oracle defaults to reward.fn: reuse its scores rather than compute them twice.
+            same = fn_scores is not None and self.rewards.same_function()
+            out["oracle"] = torch.tensor(fn_scores if same else self.rewards.score("oracle", calls))
         if r.overlong_buffer.enable:
             o = r.overlong_buffer
             lengths = torch.tensor([len(g.tokens) for g in gens])
             out["overlong_penalty"] = overlong_penalty(lengths, self.cfg.data.max_response_length,
                                                        o.len, o.penalty_factor)
             score += out["overlong_penalty"]
-        if self.oracle_fn is not None:
-            out["oracle"] = torch.tensor([self.oracle_fn(t, g) for t, g in zip(texts, truths)])
         return out
+
+    def reward_metrics(self) -> dict[str, float]:
+        """``reward/errors``, ``reward/timeouts`` and the functions' extras since the last call
+        (a step's rounds and turns included); each kind of failure logged once, naming the
+        function."""
+        if self.rewards is None:
+            return {}
+        metrics, lines = self.rewards.drain()
+        for line in lines:
+            self.log(line)
+        return metrics
 
     def log_probs(self, batch: dict, gens: list[Generation]) -> dict[str, float]:
         """Old (actor) and reference log-probs into ``batch``; returns how far the engine's own
@@ -279,10 +362,13 @@ class PPORun:
         gens = self.generate(self.val, self.sampling(10 ** 9 + step, validation=True))
         batch = build_batch([p.ids for p in self.val], gens, self.pad_id)
         scored = self.scores(self.val, gens, batch)
+        failures = self.reward_metrics()  # validation's own calls: logged, not the step's
         out = {"val/score_mean": float(scored["score"].mean()),
                "val/response_length": float(batch["loss_mask"].sum(1).mean())}
         if scored.get("oracle") is not None:
             out["val/oracle_acc"] = float(scored["oracle"].mean())
+        if failures.get("reward/errors") or failures.get("reward/timeouts"):
+            out["val/reward_failures"] = failures["reward/errors"] + failures["reward/timeouts"]
         if scored["rm"] is not None:
             out["val/rm_score"] = float(scored["rm"].mean())
         self.log(f"validation at step {step}: " + ", ".join(f"{k[4:]} {v:.4f}" for k, v in out.items()))
@@ -391,6 +477,11 @@ class PPORun:
             self.logger.scalars(metrics["step"], {k: v for k, v in metrics.items() if k != "step"})
         with (self.out / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps(metrics) + "\n")
+
+
+def _calls(texts: list[str], prompts: list[Prompt]) -> list[tuple]:
+    """Reward-function arguments ``(response, ground_truth, prompt, extra)`` per response."""
+    return [(text, p.ground_truth, p.text, p.extra) for text, p in zip(texts, prompts)]
 
 
 def _last_turn(g: Generation) -> list[int]:
