@@ -123,6 +123,25 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", default="qwen2",
                       choices=("qwen2", "llama", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3"))
 
+    ab = jobs.add_parser("ab-test", help="A/B evaluation of two policies with confidence intervals")
+    ab.add_argument("--policy-a", required=True,
+                    help="policy checkpoint (SFT or PPO actor step_N) or HF *ForCausalLM folder")
+    ab.add_argument("--policy-b", required=True, help="the policy A is compared against")
+    ab.add_argument("--prompts", required=True,
+                    help="Parquet with a prompt column (and ground_truth for fn: judges)")
+    ab.add_argument("--judge", required=True,
+                    help="rm:REWARD_MODEL, fn:NAME (reward registry), or both: rm:REWARD_MODEL,fn:NAME")
+    ab.add_argument("--samples-per-prompt", type=_count, default=1)
+    ab.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    ab.add_argument("--max-new-tokens", type=_count, default=64)
+    ab.add_argument("--seed", type=int, default=0, help="sampling and bootstrap seed")
+    ab.add_argument("--out", default="runs/ab_test", help="new or empty output folder")
+    ab.add_argument("--batch-size", type=_count, default=64, help="samples per generate call")
+    ab.add_argument("--num-resamples", type=_count, default=2000, help="bootstrap resamples")
+    ab.add_argument("--tp", type=_count, default=1, help="tensor-parallel size of the Megatron models")
+    ab.add_argument("--nproc-per-node", type=_count, default=1,
+                    help="launch this many local processes (ignored under torchrun/srun)")
+
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
     demo.add_argument("--seed", type=int, default=0,
@@ -132,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _validate_before_launch(args) -> None:
     """Checks that need no process group, run once in the parent before ranks are spawned."""
+    if args.job == "ab-test":
+        from megatron_rlhf.evaluation.ab_test import check_inputs
+
+        check_inputs(args)
+        return
     from megatron_rlhf.checkpoint.model_ckpt import check_writable, read_checkpoint_info
     from megatron_rlhf.convert.checkpoints import read_hf_arch
     from megatron_rlhf.distributed.layout import ParallelLayout
@@ -204,6 +228,10 @@ def run(args) -> int:
 
         schema, train = (load() for load in TRAINERS[args.job])
         train(load_config(schema, args.config, args.overrides))
+    elif args.job == "ab-test":
+        from megatron_rlhf.evaluation.ab_test import run_ab_test
+
+        run_ab_test(args)
     elif args.job == "make-tiny-model":
         _make_tiny_model(args)
     elif args.job == "demo":
