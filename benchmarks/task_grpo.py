@@ -47,16 +47,16 @@ def main() -> None:
     if not (base / "config.json").is_file():
         _run(cli + ["make-tiny-model", "--data-dir", str(data), "--out-dir", str(base),
                     "--hidden-size", "64"], work / "base.log")
-    step = f"step_{args.sft_steps:08d}"
-    if not (sft / "checkpoints" / step).is_dir():
+    if not (sft / "final_metrics.json").is_file():
         _run(cli + ["sft", "--config", "configs/sft/tiny_cpu.yaml", f"model.path={base}",
                     f"data.train_files=[{data / 'sft_train.parquet'}]",
                     f"data.val_files=[{data / 'sft_val.parquet'}]", "data.max_prompt_length=48",
                     f"trainer.max_steps={args.sft_steps}",
                     f"trainer.save_every_steps={args.sft_steps}", f"trainer.output_dir={sft}",
                     f"trainer.seed={args.seed}"], work / "sft.log")
+    start = sorted((sft / "checkpoints").glob("step_*"))[-1]  # max_steps, or 3 epochs if fewer
     _run(cli + ["ppo", "--config", "configs/ppo/grpo_reasoning_gym_tiny_cpu.yaml",
-                f"actor.model_path={sft / 'checkpoints' / step}",
+                f"actor.model_path={start}",
                 f"data.train_files=[{data / 'prompts_train.parquet'}]",
                 f"data.val_files=[{data / 'prompts_val.parquet'}]",
                 f"reward.fn=reasoning_gym:{args.task}", f"trainer.output_dir={grpo}",

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
+from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import logger_kinds
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                  "sppo")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "sppo")
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -156,6 +158,15 @@ def _check_recipes(cfg: PPOConfig) -> None:
     """DAPO's dynamic sampling and overlong shaping, GSPO, rollout correction."""
     alg, f, c = cfg.algorithm, cfg.algorithm.filter_groups, cfg.algorithm.rollout_correction
     _choice("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES)
+    if (alg.adv_estimator == "sppo") != (cfg.actor.policy_loss == "sppo"):
+        raise UserError(f"config: SPPO is algorithm.adv_estimator=sppo with actor.policy_loss=sppo "
+                        f"(got {alg.adv_estimator} and {cfg.actor.policy_loss})")
+    if alg.adv_estimator == "sppo":
+        _choice("algorithm.sppo_target", alg.sppo_target, TARGETS)
+        _choice("algorithm.sppo_preference", alg.sppo_preference, ("auto", *PREFERENCES))
+        if not cfg.actor.loss_agg_mode.startswith("seq-mean-token-"):
+            raise UserError(f"config: SPPO's loss is one term per sequence; actor.loss_agg_mode="
+                            f"{cfg.actor.loss_agg_mode} must be a seq-mean-* mode")
     _choice("algorithm.rollout_correction.mode", c.mode, ("none", "tis", "mask", "tis+mask"))
     _choice("algorithm.rollout_correction.mask_level", c.mask_level, MASK_LEVELS)
     if c.mode != "none" and not (c.tis_cap > 0 and 0 < c.mask_low < 1 < c.mask_high):

@@ -95,7 +95,17 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     adv_estimator: str = "gae"
     """``gae`` (needs the critic); ``grpo``, ``rloo`` or ``reinforce_plus_plus_baseline`` (group
-    baselines, no critic); ``reinforce_plus_plus`` (the batch is the baseline, no critic)."""
+    baselines, no critic); ``reinforce_plus_plus`` (the batch is the baseline, no critic);
+    ``sppo`` (self-play preference optimisation, with ``actor.policy_loss=sppo``)."""
+    sppo_target: str = "win_rate"
+    """SPPO's regression target: ``win_rate`` (``P(y > pi) - 1/2`` from the group's pairwise
+    preferences) or ``softmean`` (``r - softmean_beta(group)``, verl's recipe)."""
+    sppo_preference: str = "auto"
+    """How SPPO turns scores into ``P(y_i > y_j)``: ``bradley_terry`` (``sigmoid(r_i - r_j)``,
+    for a reward model's scores), ``rule`` (win 1, tie 1/2, loss 0), or ``auto`` (Bradley-Terry
+    when ``reward.model_path`` is set, else rule)."""
+    sppo_beta: float = 1.0
+    """``softmean`` target's temperature (0: the plain group mean)."""
     gamma: float = 0.99
     """Discount per token."""
     lam: float = 0.95
@@ -143,9 +153,13 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm
     (per-sequence sums over ``data.max_response_length``, Dr. GRPO)."""
+    sppo_eta: float = 1.0
+    """SPPO's step size: the sequence log-ratio is regressed onto ``sppo_eta`` times the target."""
     policy_loss: str = "vanilla"
-    """``vanilla`` (PPO's per-token ratio) or ``gspo`` (one length-normalised ratio per
-    sequence; its clip range defaults to 3e-4 / 4e-4 unless ``clip_ratio_low/high`` are set)."""
+    """``vanilla`` (PPO's per-token ratio), ``gspo`` (one length-normalised ratio per sequence;
+    its clip range defaults to 3e-4 / 4e-4 unless ``clip_ratio_low/high`` are set) or ``sppo``
+    (squared gap between the sequence log-ratio and ``sppo_eta`` x the target; with
+    ``algorithm.adv_estimator=sppo``)."""
     overlong_filter: bool = False
     """Leave samples cut at ``data.max_response_length`` out of the loss (DAPO)."""
     use_kl_loss: bool = False

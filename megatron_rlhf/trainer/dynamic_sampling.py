@@ -53,6 +53,7 @@ def assemble(groups: list[Group], trained: int, pad_id: int):
         train_rows += [index < trained] * len(group.gens)
     batch = build_batch([p.ids for p in prompts], gens, pad_id)
     batch["train_rows"] = torch.tensor(train_rows)
+    batch["scores_from_rm"] = "rm" in groups[0].scored
     scored = {"rm": None, "turns": None}
     for key in _PER_SAMPLE:
         if key in groups[0].scored:

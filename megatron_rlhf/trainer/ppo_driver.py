@@ -253,6 +253,7 @@ class PPORun:
             parts = stitch(self.critic.call("compute_values", batch))
             values, rm = (cat_rows(p) for p in zip(*parts))
         batch["values"] = values
+        batch["scores_from_rm"] = rm is not None  # SPPO's preference model (auto)
         r = self.cfg.reward
         score, turns, fn_scores = torch.zeros(len(gens)), None, None
         if rm is not None:

@@ -15,6 +15,7 @@ from megatron_rlhf.algorithms.advantages import (compute_gae, group_normalized_a
                                                   reinforce_pp_baseline_advantages, rloo_advantages,
                                                   token_level_rewards)
 from megatron_rlhf.algorithms.ppo import kl_estimate
+from megatron_rlhf.algorithms.sppo import sppo_targets
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig
 from megatron_rlhf.rollout.base import Generation
 
@@ -64,6 +65,10 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
             scores = scores - kl_coef * kl.sum(dim=1)
         if cfg.adv_estimator == "reinforce_plus_plus_baseline":
             advantages = reinforce_pp_baseline_advantages(scores, batch["group"], mask)
+        elif cfg.adv_estimator == "sppo":  # the target per sample; actor.sppo_eta scales it
+            targets = sppo_targets(scores, batch["group"], 1.0, cfg.sppo_target,
+                                   sppo_preference(cfg, batch), cfg.sppo_beta)
+            advantages = targets[:, None] * mask
         else:
             per_sample = (rloo_advantages(scores, batch["group"]) if cfg.adv_estimator == "rloo"
                           else group_normalized_advantages(scores, batch["group"],
@@ -72,6 +77,14 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
         rewards = token_level_rewards(scores, mask)
         returns = advantages
     return {"rewards": rewards, "advantages": advantages, "returns": returns, "kl": kl}
+
+
+def sppo_preference(cfg: AlgorithmConfig, batch: dict) -> str:
+    """``algorithm.sppo_preference``, with ``auto`` resolved: Bradley-Terry for a reward
+    model's scores (the driver marks them in ``batch["scores_from_rm"]``), else rule."""
+    if cfg.sppo_preference != "auto":
+        return cfg.sppo_preference
+    return "bradley_terry" if batch.get("scores_from_rm") else "rule"
 
 
 def sample_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:

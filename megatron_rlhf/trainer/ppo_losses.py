@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
-from megatron_rlhf.algorithms.ppo import (aggregate, aggregate_denominator, entropy_from_logits,
-                                          gspo_policy_loss, kl_estimate, policy_loss, value_loss)
+from megatron_rlhf.algorithms.ppo import (PolicyLossOutput, aggregate, aggregate_denominator,
+                                          entropy_from_logits, gspo_policy_loss, kl_estimate,
+                                          policy_loss, value_loss)
+from megatron_rlhf.algorithms.sppo import sppo_loss
 from megatron_rlhf.data.packing import grid_tensor, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.forward import gather_vocab_parallel, token_cross_entropy
@@ -56,7 +58,9 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
     old = take("old_logprobs") if _has(batch, "old_logprobs") else logprob.detach()
     weights = take("is_weights") if _has(batch, "is_weights") else None
     agg = cfg.loss_agg_mode
-    if cfg.policy_loss == "gspo":
+    if cfg.policy_loss == "sppo":
+        out = _sppo(old, logprob, take("advantages"), mask, cfg.sppo_eta)
+    elif cfg.policy_loss == "gspo":
         out = gspo_policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high, agg,
                                weights, horizon)
     else:
@@ -82,6 +86,17 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
                "kl": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
                "count": torch.tensor(float(mask.shape[0]))}
     return loss * scale, metrics
+
+
+def _sppo(old: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
+          mask: torch.Tensor, eta: float) -> PolicyLossOutput:
+    """SPPO's per-sequence squared gap, meaned over the micro-batch's responses: spread evenly
+    over each response's tokens, so every seq-mean-* aggregation (and its denominator) gives it."""
+    tokens = mask.sum(dim=1).clamp(min=1.0)
+    targets = (advantages * mask).sum(dim=1) / tokens  # the same value on every token
+    per_sequence = sppo_loss(old, logprob, eta * targets, mask)
+    loss = aggregate(per_sequence[:, None] * mask / tokens[:, None], mask, "seq-mean-token-sum")
+    return PolicyLossOutput(loss, torch.zeros(()), masked_mean(old - logprob, mask), torch.zeros(()))
 
 
 def clip_range(cfg) -> tuple[float, float]:
