@@ -26,6 +26,10 @@ def ab_workspace(tmp_path_factory):
     make_tiny_model(tiny_config("qwen2", "value", vocab_size=vocab,
                                 pad_token_id=tokenizer.pad_token_id), root / "rm", seed=1)
     tokenizer.save_pretrained(root / "rm")
+    # The same policy as a megatron_rlhf checkpoint (what sft and ppo write).
+    subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", "convert", "hf-to-mcore",
+                    "--hf-dir", str(root / "base"), "--out-dir", str(root / "base_ckpt")],
+                   check=True, capture_output=True)
     return root
 
 
@@ -39,8 +43,10 @@ def ab_test(root, out, *extra):
 
 
 def test_a_policy_against_itself_ties_and_the_files_are_written(ab_workspace, tmp_path):
+    # A: the policy as a megatron_rlhf checkpoint; B: the same weights as an HF folder.
     out = tmp_path / "ab"
-    proc = ab_test(ab_workspace, out, "--judge", f"rm:{ab_workspace / 'rm'},fn:addition")
+    proc = ab_test(ab_workspace, out, "--judge", f"rm:{ab_workspace / 'rm'},fn:addition",
+                   "--policy-a", str(ab_workspace / "base_ckpt"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = pq.read_table(out / "pairs.parquet").to_pylist()
     assert len(rows) == 12 * 2
