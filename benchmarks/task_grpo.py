@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TASK_CONFIG = {"min_digits": 1, "max_digits": 2, "min_terms": 2, "max_terms": 2}
+TASK_CONFIG = {"min_digits": 1, "max_digits": 1, "min_terms": 2, "max_terms": 2}
 
 
 def _run(args: list[str], log: Path) -> None:
@@ -32,7 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True)
     parser.add_argument("--task", default="chain_sum")
-    parser.add_argument("--sft-steps", type=int, default=40)
+    parser.add_argument("--n", type=int, default=160,
+                        help="training questions (one-digit sums of two terms: about 190 distinct)")
+    parser.add_argument("--sft-epochs", type=int, default=30)
+    parser.add_argument("--sft-steps", type=int, default=0, help="stop SFT early (0: all epochs)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("overrides", nargs="*", help="extra key=value for the GRPO run")
     args = parser.parse_args()
@@ -42,7 +45,7 @@ def main() -> None:
     cli = [sys.executable, "-m", "megatron_rlhf.cli"]
     if not (data / "prompts_train.parquet").is_file():
         _run([sys.executable, "tools/make_task_data.py", "--source", "reasoning-gym", "--task",
-              args.task, "--n", "3000", "--val", "200", "--seed", "0", "--task-config",
+              args.task, "--n", str(args.n), "--val", "20", "--seed", "0", "--task-config",
               json.dumps(TASK_CONFIG), "--out-dir", str(data)], work / "data.log")
     if not (base / "config.json").is_file():
         _run(cli + ["make-tiny-model", "--data-dir", str(data), "--out-dir", str(base),
@@ -51,8 +54,8 @@ def main() -> None:
         _run(cli + ["sft", "--config", "configs/sft/tiny_cpu.yaml", f"model.path={base}",
                     f"data.train_files=[{data / 'sft_train.parquet'}]",
                     f"data.val_files=[{data / 'sft_val.parquet'}]", "data.max_prompt_length=48",
-                    f"trainer.max_steps={args.sft_steps}",
-                    f"trainer.save_every_steps={args.sft_steps}", f"trainer.output_dir={sft}",
+                    f"trainer.total_epochs={args.sft_epochs}", f"trainer.max_steps={args.sft_steps}",
+                    f"trainer.output_dir={sft}",
                     f"trainer.seed={args.seed}"], work / "sft.log")
     start = sorted((sft / "checkpoints").glob("step_*"))[-1]  # max_steps, or 3 epochs if fewer
     _run(cli + ["ppo", "--config", "configs/ppo/grpo_reasoning_gym_tiny_cpu.yaml",
@@ -60,7 +63,8 @@ def main() -> None:
                 f"data.train_files=[{data / 'prompts_train.parquet'}]",
                 f"data.val_files=[{data / 'prompts_val.parquet'}]",
                 f"reward.fn=reasoning_gym:{args.task}", f"trainer.output_dir={grpo}",
-                "trainer.resume=disable", f"trainer.seed={args.seed}", *args.overrides],
+                "trainer.resume=disable", f"trainer.seed={args.seed}",
+                "trainer.total_epochs=10", *args.overrides],
          work / "grpo.log")
     rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
     print("| step | malformed fraction | reward (accuracy) | held-out accuracy (greedy) |")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,17 @@ def torchrun_results(script: Path, ranks: int, *args, out: Path) -> dict:
     """``torchrun --nproc-per-node ranks script *args out``; the script writes ``out``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(ranks), str(script), *map(str, args), str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # Its own session, so a timeout kills the ranks too, not only the launcher (orphaned ranks
+    # would hold the CPUs for the rest of the suite).
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script.name} ran over 900 s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     results = json.loads(out.read_text())
     print(json.dumps(results, indent=2))
     return results
