@@ -25,14 +25,13 @@ class Prompt:
 
 def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key: str,
                  max_prompt: int, overlong: str, need_ground_truth: bool,
-                 check_truth: Callable[[str], object] | None = None,
-                 check_row: Callable[[str, str, dict], object] | None = None
+                 check_truth: Callable[[str], object] | None = None
                  ) -> tuple[list[Prompt], LengthReport]:
     """Read, check and tokenise every file; :class:`UserError` names the file, column and row.
 
-    Ground truths may be strings or numbers; ``check_truth(truth)`` or ``check_row(truth,
-    prompt_text, extra)`` (the rule-based rewards run on an empty response) must accept each
-    one, so a value the checker cannot read stops the run here rather than mid-training.
+    Ground truths may be strings or numbers; ``check_truth(truth)`` (a built-in reward's reader,
+    see ``RewardScorer.check_ground_truth``) must accept each one, so a value the reward cannot
+    read stops the run here rather than mid-training.
     """
     prompts, report = [], LengthReport(files=list(files), item="prompts")
     for path in files:
@@ -53,12 +52,9 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key:
             extra = {name: values[row] for name, values in others.items()}
             if need_ground_truth and (truth is None or str(truth).strip() == ""):
                 raise UserError(f"{path}: column {ground_truth_key!r} row {row} is empty")
-            if need_ground_truth and (check_truth is not None or check_row is not None):
+            if need_ground_truth and check_truth is not None:
                 try:
-                    if check_truth is not None:
-                        check_truth(str(truth))
-                    if check_row is not None:
-                        check_row(str(truth), content, extra)
+                    check_truth(str(truth))
                 except Exception as err:  # a user's checker may raise anything
                     raise UserError(f"{path}: column {ground_truth_key!r} row {row}: the reward "
                                     f"function cannot check {truth!r} ({type(err).__name__}: "

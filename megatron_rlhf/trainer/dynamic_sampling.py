@@ -68,9 +68,9 @@ def rollout_with_signal(run, step: int, timer):
     used, kept, dropped, rounds = set(indices), [], [], 0
     while True:
         prompts = [run.train[i] for i in indices]
+        params = run.sampling(step)
         with timer("gen"):
-            gens = run.generate(prompts, replace(run.sampling(step), seed=run.sampling(step).seed
-                                                 + 7919 * rounds))
+            gens = run.generate(prompts, replace(params, seed=params.seed + 7919 * rounds))
         batch = build_batch([p.ids for p in prompts], gens, run.pad_id)
         with timer("reward_values"):
             scored = run.scores(prompts, gens, batch)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.advantages import (compute_gae, group_normalized_advantages,
-                                                  masked_mean, masked_whiten,
-                                                  reinforce_pp_advantages,
-                                                  reinforce_pp_baseline_advantages, rloo_advantages,
-                                                  token_level_rewards)
+                                                 masked_mean, masked_whiten,
+                                                 reinforce_pp_advantages,
+                                                 reinforce_pp_baseline_advantages, rloo_advantages,
+                                                 token_level_rewards)
 from megatron_rlhf.algorithms.ppo import kl_estimate
 from megatron_rlhf.algorithms.sppo import sppo_targets
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig
