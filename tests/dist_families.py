@@ -21,7 +21,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_parity import from_hf, logits_of, max_over_world  # noqa: E402
+from dist_parity import (from_hf, layout_groups, logits_of, max_over_world,  # noqa: E402
+                         release_groups)
 from dist_weight_sync import gap, perturb  # noqa: E402
 
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
@@ -82,16 +83,17 @@ def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
     """An MoE checkpoint saved at EP=2 loads at EP=1, TP=2, PP=2 and TP=2 x EP=2."""
     from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
     from megatron_rlhf.convert.checkpoints import hf_to_mcore
-    from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups
+    from megatron_rlhf.distributed.layout import ParallelLayout
 
     tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(1))
     ckpt = workdir / "deepseek_v3_ep2"
+    release_groups()
     hf_to_mcore(str(root / "deepseek_v3"), str(ckpt), ParallelLayout(ep=2))
     info = read_checkpoint_info(ckpt)
     saved = None
     for label, layout in (("ep2", (1, 1, None, 2)), ("ep1", (1, 1)), ("tp2", (2, 1)),
                           ("pp2", (1, 2)), ("tp2ep2", (2, 1, None, 2))):
-        groups = build_parallel_groups(ParallelLayout(*layout), info.arch.shape)
+        groups = layout_groups(layout, info.arch.shape)
         logits = broadcast_logits(logits_of(load_model_checkpoint(info, groups), groups, tokens,
                                             info.arch.vocab_size), (2, 11, info.arch.vocab_size))
         saved = logits if saved is None else saved
