@@ -38,3 +38,16 @@ def test_ppo_configs_validate(path):
     from megatron_rlhf.config.ppo_schema import PPOConfig
 
     validate_ppo_config(load_config(PPOConfig, str(path), []))
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("multi_agent/*.yaml")), ids=lambda p: p.name)
+def test_multi_agent_configs_validate(path):
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+    from megatron_rlhf.multi_agent.config import agent_config, check_agents
+
+    config = load_config(PPOConfig, str(path), [])
+    validate_ppo_config(config)
+    check_agents(config)
+    for index, agent in enumerate(config.agents):
+        validate_ppo_config(agent_config(config, agent, index))

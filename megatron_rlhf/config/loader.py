@@ -27,7 +27,16 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
         bad = [item for item in overrides if "=" not in item]
         if bad:
             raise UserError(f"override {bad[0]!r} is not of the form key=value")
-        merged = OmegaConf.merge(merged, _as_lists(merged, OmegaConf.from_dotlist(overrides)))
+        # ``agents.1.optim.lr=...`` addresses a list item: OmegaConf's dotlist would make the
+        # list a dict; those go in place, the rest merge (so a single value becomes a list).
+        indexed = [item for item in overrides if _indexes_list(item.split("=", 1)[0])]
+        plain = [item for item in overrides if item not in indexed]
+        merged = OmegaConf.merge(merged, _as_lists(merged, OmegaConf.from_dotlist(plain)))
+        for item in indexed:
+            key, value = item.split("=", 1)
+            if OmegaConf.select(merged, key.rsplit(".", 1)[0]) is None:
+                raise UserError(f"config: {key}: no such list item (override {item!r})")
+            OmegaConf.update(merged, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise UserError(f"config: missing required value for {missing[0]}")
@@ -38,6 +47,10 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
         raise UserError(f"config: {where}{str(err).splitlines()[0]}") from None
     _check_finite(config, "")
     return config
+
+
+def _indexes_list(key: str) -> bool:
+    return any(part.isdigit() for part in key.split("."))
 
 
 def _as_lists(schema: DictConfig, given: DictConfig) -> DictConfig:

@@ -41,6 +41,8 @@ def reuses_update_log_probs(cfg: PPOConfig) -> bool:
 def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     """Checks that need no model or process group (layout checks follow in the workers)."""
     d, a, r, alg, t = cfg.data, cfg.actor, cfg.rollout, cfg.algorithm, cfg.trainer
+    if not a.model_path and not cfg.agents:
+        raise UserError("config: missing required value for actor.model_path")
     if not d.train_files:
         raise UserError("config: data.train_files is empty")
     for name, value in (("data.max_prompt_length", d.max_prompt_length),

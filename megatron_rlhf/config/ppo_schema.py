@@ -129,9 +129,9 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    model_path: str = "???"
+    model_path: str = ""
     """Policy to start from: HF ``*ForCausalLM`` folder or a megatron_rlhf checkpoint (e.g. SFT's).
-    The reference model is the same weights, frozen."""
+    The reference model is the same weights, frozen. Required unless ``agents`` is set."""
     dtype: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -296,6 +296,48 @@ class ResourcePoolConfig:
 
 
 @dataclass
+class AgentConfig:
+    """One actor of a multi-agent run (``agents:``); unset fields default to ``actor.*``."""
+
+    name: str = "???"
+    """Unique; names the agent's checkpoints (``agents/<name>/``) and metrics (``agent/<name>/``)."""
+    model_path: str = "???"
+    """Where this agent starts (HF folder or megatron_rlhf checkpoint); also its reference."""
+    optim: Optional[OptimConfig] = None
+    """Default ``actor.optim``."""
+    parallel: Optional[ParallelConfig] = None
+    """Default ``actor.parallel``; resolved over ``world_size`` ranks."""
+    world_size: int = 1
+    """Worker ranks (one per GPU) of this agent's group."""
+    resource_pool: str = "shared"
+    """Agents naming the same pool share its devices (each rank takes a fraction of one);
+    ``separate``: a pool of its own."""
+    temperature: Optional[float] = None
+    """Rollout temperature; default ``rollout.temperature``."""
+
+
+@dataclass
+class MultiAgentConfig:
+    """How the agents of ``agents:`` play (``megatron_rlhf.multi_agent.modes``)."""
+
+    mode: str = "population"
+    """``population``: every agent answers every prompt, each regresses onto its win rate
+    against the whole population (SPPO); ``proposer-solver``: one agent writes tasks, the other
+    solves them; ``critique-revise``: one answers, the other critiques, the first revises."""
+    judge_world_size: int = 1
+    """Ranks of the group that hosts the shared reward model (``reward.model_path``)."""
+    proposer: Optional[str] = None
+    """proposer-solver: the agent that writes tasks (default the first); the other solves."""
+    proposer_prompt: str = "Write a new addition question."
+    task: str = "addition"
+    """proposer-solver's task family: what a proposal must parse as, and its checker."""
+    answerer: Optional[str] = None
+    """critique-revise: the agent that answers and revises (default the first)."""
+    critique_prompt: str = " Check this answer."
+    revise_prompt: str = " Final answer:"
+
+
+@dataclass
 class PPOConfig:
     """``megatron-rlhf ppo``: PPO/GRPO from a policy and a reward (model and/or rule)."""
 
@@ -308,3 +350,6 @@ class PPOConfig:
     trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
+    agents: list[AgentConfig] = field(default_factory=list)
+    """Two or more actors trained together (``multi_agent``); empty: one actor (``actor``)."""
+    multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)

@@ -95,3 +95,13 @@ def make_rows(operands: list[tuple[int, int]], count: int, seed: int) -> dict[st
         rows["chosen"].append(format_answer(answer))
         rows["rejected"].append(rejected_answer(answer, rng))
     return rows
+
+
+def parse_question(text: str, task: AdditionTask = AdditionTask()) -> tuple[int, int] | None:
+    """A proposer's addition task: the first two numbers in ``text`` as operands, each within
+    ``task``'s range; None when ``text`` holds no such pair."""
+    numbers = re.findall(r"\d+", text)
+    if len(numbers) < 2:
+        return None
+    a, b = int(numbers[0]), int(numbers[1])
+    return (a, b) if task.low <= a <= task.high and task.low <= b <= task.high else None

@@ -59,33 +59,58 @@ def _worker_class():
     return RankActor
 
 
-class WorkerGroup:
-    """``world_size`` ranks placed in one placement group (one bundle per rank)."""
+class ResourcePool:
+    """``size`` bundles (one device each: a GPU, or a CPU slot) in one Ray placement group; the
+    worker groups placed on it share them, each rank taking ``1 / share`` of its bundle."""
 
-    def __init__(self, name: str, world_size: int, use_gpu: bool, threads_per_rank: int = 1):
+    def __init__(self, name: str, size: int, use_gpu: bool):
         import ray
         from ray.util.placement_group import placement_group
+
+        self.name, self.size, self.use_gpu = name, size, use_gpu
+        self.bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
+        self.placement = placement_group([self.bundle] * size, strategy="PACK")
+        ready, _ = ray.wait([self.placement.ready()], timeout=120)
+        if not ready:
+            raise UserError(f"resource pool {name}: Ray could not place {size} ranks with "
+                            f"{self.bundle} each within 120 s (cluster resources: "
+                            f"{ray.cluster_resources()})")
+
+    def remove(self) -> None:
+        import ray
+
+        try:
+            ray.util.remove_placement_group(self.placement)
+        except Exception:  # already gone with the cluster
+            pass
+
+
+class WorkerGroup:
+    """``world_size`` ranks, one per bundle of a :class:`ResourcePool` (its own unless given)."""
+
+    def __init__(self, name: str, world_size: int, use_gpu: bool, threads_per_rank: int = 1,
+                 pool: ResourcePool | None = None, share: int = 1):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.world_size = name, world_size
-        bundle = {"CPU": 1, "GPU": 1} if use_gpu else {"CPU": 1}
-        self.placement = placement_group([bundle] * world_size, strategy="PACK")
-        ready, _ = ray.wait([self.placement.ready()], timeout=120)
-        if not ready:
-            raise UserError(f"worker group {name}: Ray could not place {world_size} ranks with "
-                            f"{bundle} each within 120 s (cluster resources: "
-                            f"{ray.cluster_resources()})")
+        self.own_pool = pool is None
+        self.pool = ResourcePool(name, world_size, use_gpu) if pool is None else pool
+        if world_size > self.pool.size:
+            raise UserError(f"worker group {name}: {world_size} ranks do not fit resource pool "
+                            f"{self.pool.name} of {self.pool.size}")
         actor = _worker_class()
+        # Groups sharing a pool take a fraction of each device: Ray packs them onto the same
+        # GPUs (their engines release memory between phases), or the same CPU slots.
+        fraction = 1.0 / share
         self.actors = [
-            actor.options(num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0,
+            actor.options(num_cpus=fraction, num_gpus=fraction if use_gpu else 0, max_restarts=0,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
-                              placement_group=self.placement, placement_group_bundle_index=i),
+                              placement_group=self.pool.placement, placement_group_bundle_index=i),
                           ).remote()
             for i in range(world_size)]
         master = self._get([self.actors[0].address.remote()], "address")[0]
         self._get([a.init.remote(rank, world_size, master, threads_per_rank)
                    for rank, a in enumerate(self.actors)], "init_distributed")
-
     def build(self, factory, *args, **kwargs) -> None:
         """Construct ``factory(*args, **kwargs)`` on every rank (collectively)."""
         self._get([a.build.remote(factory, *args, **kwargs) for a in self.actors], "build")
@@ -125,10 +150,8 @@ class WorkerGroup:
 
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-        try:
-            ray.util.remove_placement_group(self.placement)
-        except Exception:  # already gone with the cluster
-            pass
+        if self.own_pool:
+            self.pool.remove()
         time.sleep(0.1)
 
 

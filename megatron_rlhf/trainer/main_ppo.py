@@ -8,6 +8,8 @@ the whole algorithm: generate -> score -> experience -> advantages -> update -> 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
@@ -57,44 +59,66 @@ def fit(run: PPORun) -> dict[str, float]:
     return run.history[-1] if run.history else {}
 
 
-def setup(cfg: PPOConfig) -> PPORun:
-    """Ray, worker groups, data, resume: everything :func:`fit` needs."""
+@dataclass
+class RunData:
+    """What every worker group of a run shares: the tokenizer, prompts and step counts."""
+
+    arch: object
+    tokenizer: object
+    train: list
+    val: list
+    report: object
+    total: int
+    steps_per_epoch: int
+    stop_ids: list[int]
+
+
+def setup_data(cfg: PPOConfig, rewards) -> RunData:
+    """Tokenizer (the policy's), prompts (checked against ``rewards``), the run's length."""
     from transformers import AutoTokenizer
 
-    from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
     from megatron_rlhf.data.prompts import load_prompts
-    from megatron_rlhf.orchestration.cluster import start_ray
     from megatron_rlhf.trainer.ppo_worker import policy_files
 
-    validate_ppo_config(cfg)
     arch, hf_dir = policy_files(cfg.actor.model_path)
-    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    check_parallel_for_model("actor.parallel", cfg.actor.parallel, arch)
-    layout = layout_of(cfg.actor.parallel).resolve(world, arch.shape)
-    check_layout(cfg, world, layout.dp)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    rewards = _reward_scorer(cfg)
     limits = dict(tokenizer=tokenizer, prompt_key=cfg.data.prompt_key,
                   ground_truth_key=cfg.data.ground_truth_key, max_prompt=cfg.data.max_prompt_length,
                   overlong=cfg.data.overlong, need_ground_truth=rewards.needs_ground_truth(),
                   check_truth=rewards.check_ground_truth)
     train, report = load_prompts(cfg.data.train_files, **limits)
     val = load_prompts(cfg.data.val_files, **limits)[0] if cfg.data.val_files else []
-    offline = _offline(cfg, tokenizer, rewards.needs_ground_truth())
     steps_per_epoch = len(train) // cfg.data.train_batch_size
     if steps_per_epoch == 0:
         raise UserError(f"config: {len(train)} prompts are fewer than data.train_batch_size="
                         f"{cfg.data.train_batch_size}")
     total = steps_per_epoch * cfg.trainer.total_epochs
     total = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps else total
-    stop_ids = _stop_ids(tokenizer, cfg.rollout.stop)
+    return RunData(arch, tokenizer, train, val, report, total, steps_per_epoch,
+                   _stop_ids(tokenizer, cfg.rollout.stop))
+
+
+def setup(cfg: PPOConfig) -> PPORun:
+    """Ray, worker groups, data, resume: everything :func:`fit` needs."""
+    from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
+    from megatron_rlhf.orchestration.cluster import start_ray
+
+    validate_ppo_config(cfg)
+    rewards = _reward_scorer(cfg)
+    data = setup_data(cfg, rewards)
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    check_parallel_for_model("actor.parallel", cfg.actor.parallel, data.arch)
+    layout = layout_of(cfg.actor.parallel).resolve(world, data.arch.shape)
+    check_layout(cfg, world, layout.dp)
+    offline = _offline(cfg, data.tokenizer, rewards.needs_ground_truth())
     use_gpu = torch.cuda.is_available()
     separate = cfg.resource_pool.critic == "separate"
     started = start_ray(cfg.ray, world + (cfg.resource_pool.critic_world_size if separate else 0), use_gpu)
     try:
         rewards.start()  # the reward pool: once per run, closed by train_ppo (or below)
-        run = _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val,
-                     tokenizer, stop_ids, report, rewards)
+        run = _place(cfg, data.arch, layout, world, use_gpu, started, data.total,
+                     data.steps_per_epoch, data.train, data.val, data.tokenizer, data.stop_ids,
+                     data.report, rewards)
         run.offline = offline
         return run
     except BaseException:
@@ -201,6 +225,10 @@ def start(run: PPORun) -> None:
 def train_ppo(cfg: PPOConfig) -> dict[str, float]:
     from megatron_rlhf.orchestration.cluster import stop_ray
 
+    if cfg.agents:
+        from megatron_rlhf.multi_agent.driver import train_agents
+
+        return train_agents(cfg)
     run = None
     try:
         run = setup(cfg)

@@ -408,14 +408,16 @@ class PPORun:
                  for role in self.roles]
         return sorted(set.intersection(*steps))
 
-    def prune(self) -> None:
-        """Keep the newest ``trainer.keep_last_n`` steps that every model has, and nothing else.
+    def prune(self, keep: set[int] | None = None) -> None:
+        """Keep the newest ``trainer.keep_last_n`` steps that every model has (or the steps
+        ``keep``: a multi-agent run's common ones), and nothing else.
 
         Pruning only after all models saved means a kill between two models' saves still leaves
         a common step to resume from; checkpoints of one model alone (such a kill, or the steps
         of a timeline a resume or rollback abandoned) go at the next save.
         """
-        keep = set(self.checkpoints()[-self.cfg.trainer.keep_last_n:])
+        if keep is None:
+            keep = set(self.checkpoints()[-self.cfg.trainer.keep_last_n:])
         for role in self.roles:
             for path in complete_checkpoints(self.ckpt_root / role):
                 if int(path.name[5:]) not in keep:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.ppo import aggregate_denominator
+from megatron_rlhf.algorithms.sppo import win_rates
 from megatron_rlhf.checkpoint.model_ckpt import (META_FILE, load_model_checkpoint,
                                                  read_checkpoint_info)
 from megatron_rlhf.config.loader import batch_plan
@@ -265,7 +266,12 @@ class PPOWorker:
         return sums
 
     def update_actor(self, batch: dict, step: int, kl_loss_coef: float) -> dict:
+        """One step's actor update. A multi-agent population batch carries the step's whole
+        preference table instead of advantages: each agent's ranks derive their samples' SPPO
+        targets from it, and report its digest so the driver can prove every rank of every
+        agent trained on the same table."""
         cfg = self.config.actor
+        digest = population_advantages(batch) if "preferences" in batch else None
         loss = lambda out, b: actor_loss(out, b, vocab_size=self.arch.vocab_size,  # noqa: E731
                                          groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
                                          temperature=self.config.rollout.temperature or 1.0,
@@ -275,7 +281,20 @@ class PPOWorker:
         out = _average(sums, "actor")
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
+        if digest is not None:
+            out["population/table_sha256"] = digest
         return out
+
+    def weights_digest(self) -> str:
+        """sha256 of this rank's actor parameters (its shards), in order: equal digests are
+        bitwise-equal weights."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, param in self.actor.module.named_parameters():
+            h.update(name.encode())
+            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     def update_critic(self, batch: dict, step: int) -> dict:
         cfg = self.config
@@ -345,6 +364,21 @@ class PPOWorker:
         if "critic" in self.roles and self.critic is not None:
             load_train_checkpoint(Path(root) / "critic" / name, self.critic)
         self.set_lr_scale(lr_scale)
+
+
+def population_advantages(batch: dict) -> str:
+    """Replace a population batch's ``preferences [M, M]``, ``population_group [M]`` and
+    ``population_rows [N]`` (this agent's samples among the ``M``) by SPPO targets
+    ``P(y > population) - 1/2`` on its response tokens (``advantages``, ``returns``); returns
+    the table's sha256."""
+    import hashlib
+
+    table = batch.pop("preferences")
+    groups, rows = batch.pop("population_group"), batch.pop("population_rows")
+    rates = win_rates(table, groups)[rows]
+    batch["advantages"] = (rates - 0.5)[:, None] * batch["loss_mask"]
+    batch["returns"] = batch["advantages"]
+    return hashlib.sha256(table.contiguous().numpy().tobytes()).hexdigest()
 
 
 def _average(sums: list[dict], prefix: str) -> dict:

@@ -1,0 +1,1 @@
+"""Several actors trained in one run (``agents:`` in a PPO config): see :mod:`.driver`."""

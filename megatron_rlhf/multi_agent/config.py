@@ -1,0 +1,108 @@
+"""``agents:`` and ``multi_agent:``: start-up checks, and each agent's own PPO config."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+from megatron_rlhf.config.ppo_schema import AgentConfig, PPOConfig
+from megatron_rlhf.errors import UserError
+
+MODES = ("population", "proposer-solver", "critique-revise")
+TASKS = ("addition",)
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def check_agents(cfg: PPOConfig) -> None:
+    """Everything about ``agents`` and ``multi_agent`` that needs no model; errors name the key."""
+    agents, m = cfg.agents, cfg.multi_agent
+    if len(agents) < 2:
+        raise UserError(f"config: agents lists {len(agents)} agent(s); a multi-agent run needs two "
+                        "or more (for one policy use actor.model_path alone)")
+    seen = set()
+    for i, agent in enumerate(agents):
+        if not _NAME.match(agent.name):
+            raise UserError(f"config: agents[{i}].name={agent.name!r} must be letters, digits, "
+                            "'_' or '-' (it names folders and metrics)")
+        if agent.name in seen:
+            raise UserError(f"config: agents[{i}].name={agent.name!r} clashes with an earlier "
+                            "agent; agent names must be unique")
+        seen.add(agent.name)
+        if not agent.model_path:
+            raise UserError(f"config: agents[{i}] ({agent.name}) has no model_path")
+        if agent.world_size < 1:
+            raise UserError(f"config: agents[{i}].world_size={agent.world_size} must be >= 1")
+    if m.mode not in MODES:
+        raise UserError(f"config: multi_agent.mode={m.mode!r} must be one of {', '.join(MODES)}")
+    for key in ("proposer", "answerer"):
+        name = getattr(m, key)
+        if name is not None and name not in seen:
+            raise UserError(f"config: multi_agent.{key}={name!r} is not an agent "
+                            f"({', '.join(sorted(seen))})")
+    _check_mode(cfg)
+
+
+def _check_mode(cfg: PPOConfig) -> None:
+    m, alg, r = cfg.multi_agent, cfg.algorithm, cfg.reward
+    unsupported = [(alg.filter_groups.enable, "algorithm.filter_groups.enable"),
+                   (cfg.data.offline_fraction > 0, "data.offline_fraction"),
+                   (cfg.rollout.max_turns > 1, "rollout.max_turns"),
+                   (alg.adv_estimator == "gae", "algorithm.adv_estimator=gae (a critic per agent)")]
+    for bad, key in unsupported:
+        if bad:
+            raise UserError(f"config: {key} is not supported with agents (multi_agent.mode={m.mode})")
+    if m.mode == "population":
+        if alg.adv_estimator != "sppo":
+            raise UserError("config: multi_agent.mode=population trains every agent with SPPO against "
+                            "the population: set algorithm.adv_estimator=sppo and actor.policy_loss=sppo")
+        if alg.use_kl_in_reward:
+            raise UserError("config: multi_agent.mode=population regresses onto win rates; "
+                            "algorithm.use_kl_in_reward has no score to enter (use actor.use_kl_loss)")
+    else:
+        if len(cfg.agents) != 2:
+            raise UserError(f"config: multi_agent.mode={m.mode} plays two agents; agents lists "
+                            f"{len(cfg.agents)}")
+        if alg.adv_estimator == "sppo":
+            raise UserError(f"config: multi_agent.mode={m.mode} scores each agent on its own; use a "
+                            "group baseline (algorithm.adv_estimator=grpo, rloo, ...), not sppo")
+    if m.mode == "proposer-solver":
+        if m.task not in TASKS:
+            raise UserError(f"config: multi_agent.task={m.task!r} must be one of {', '.join(TASKS)}")
+        if not r.fn:
+            raise UserError("config: multi_agent.mode=proposer-solver checks answers with reward.fn "
+                            "(e.g. reward.fn=addition)")
+    if m.judge_world_size < 1:
+        raise UserError(f"config: multi_agent.judge_world_size={m.judge_world_size} must be >= 1")
+
+
+def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
+    """The PPO config one agent's workers and driver state run under: ``actor.*`` with the
+    agent's overrides, its own output folder and rollout seed."""
+    out = copy.deepcopy(cfg)
+    out.agents = []
+    out.actor.model_path = agent.model_path
+    if agent.optim is not None:
+        out.actor.optim = copy.deepcopy(agent.optim)
+    if agent.parallel is not None:
+        out.actor.parallel = copy.deepcopy(agent.parallel)
+    if agent.temperature is not None:
+        out.rollout.temperature = agent.temperature
+    # Agents started from the same weights would otherwise draw identical samples.
+    out.rollout.seed = cfg.rollout.seed + 7919 * index
+    out.trainer.output_dir = str(agent_dir(cfg, agent.name))
+    out.trainer.n_gpus_per_node, out.trainer.nnodes = agent.world_size, 1
+    return out
+
+
+def agent_dir(cfg: PPOConfig, name: str) -> Path:
+    return Path(cfg.trainer.output_dir) / "agents" / name
+
+
+def pools(cfg: PPOConfig) -> dict[str, list[AgentConfig]]:
+    """Resource pool name -> its agents (``separate``: a pool per agent)."""
+    out: dict[str, list[AgentConfig]] = {}
+    for agent in cfg.agents:
+        name = f"agent-{agent.name}" if agent.resource_pool == "separate" else agent.resource_pool
+        out.setdefault(name, []).append(agent)
+    return out

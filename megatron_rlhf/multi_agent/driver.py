@@ -1,0 +1,351 @@
+"""Several actors trained together: ``megatron-rlhf ppo`` with an ``agents:`` list.
+
+Each agent is a :class:`~megatron_rlhf.trainer.ppo_driver.PPORun` of its own: its model,
+optimizer, layout, rollout engine and weight sync live in its own worker group, on a resource
+pool it shares with other agents or has alone. A reward model, when configured, lives in one
+judge group that every agent's samples go through. The play mode
+(:mod:`megatron_rlhf.multi_agent.modes`) decides who speaks and what each agent is scored on;
+the loop is PPO's, once per agent: play -> experience -> advantages -> update -> sync weights.
+Checkpoints are per agent, and a step counts as saved only when every agent has it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.trainer.ppo_driver import Timer, summarize_rollout
+from megatron_rlhf.trainer.ppo_experience import compute_advantages
+
+
+@dataclass
+class MultiAgentRun:
+    cfg: PPOConfig
+    agents: dict  # name -> PPORun (insertion order: the config's)
+    mode: object  # PlayMode
+    total_steps: int
+    judge: object = None  # WorkerGroup hosting the shared reward model, if any
+    pools: list = field(default_factory=list)
+    rewards: object = None  # the shared RewardScorer
+    ray_started: bool = False
+    step: int = 0
+    logger: object = None
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.trainer.output_dir)
+
+    def log(self, message: str) -> None:
+        print(f"[multi-agent] {message}", flush=True)
+
+    # ------------------------------------------------------------------ one step
+    def update(self, name: str, episode, step: int, timer) -> tuple[dict, list[str]]:
+        """Experience, advantages and the update of one agent: (its metrics, the preference
+        table digests its ranks reported)."""
+        agent, batch = self.agents[name], episode.batch
+        with timer(f"old_log_prob/{name}"):
+            metrics = agent.log_probs(batch, episode.gens)
+        adv = compute_advantages(batch, episode.scored["score"], agent.cfg.algorithm,
+                                 agent.kl_ctrl.value, episode.scored.get("turns"))
+        if episode.advantages is not None:  # population: the workers derive them from the table
+            adv.update(advantages=episode.advantages, returns=episode.advantages)
+        else:
+            batch.update(advantages=adv["advantages"], returns=adv["returns"])
+        agent.leave_out_untrained(episode.gens, batch)
+        with timer(f"update/{name}"):
+            ranks = agent.actor.call("update_actor", batch, step, agent.kl_loss_coef)
+        digests = [r.pop("population/table_sha256") for r in ranks if "population/table_sha256" in r]
+        metrics |= ranks[0] | agent.advance_kl(adv, batch) | episode.metrics
+        metrics |= summarize_rollout(episode.gens, episode.scored, batch, adv)
+        return metrics, digests
+
+    def validate(self, step: int) -> dict[str, float]:
+        out = {}
+        for name in self.mode.validated(self):
+            out |= {f"agent/{name}/{k}": v for k, v in self.agents[name].validate(step).items()}
+        return out
+
+    def record(self, metrics: dict[str, float]) -> None:
+        self.history.append(metrics)
+        if self.logger is not None:
+            self.logger.scalars(metrics["step"], {k: v for k, v in metrics.items() if k != "step"})
+        with (self.out / "metrics.jsonl").open("a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoints(self) -> list[int]:
+        """Steps every agent has a checkpoint of, oldest first."""
+        steps = [set(agent.checkpoints()) for agent in self.agents.values()]
+        return sorted(set.intersection(*steps))
+
+    def save(self) -> None:
+        """Every agent saves, then the old steps go: a kill between two agents' saves leaves
+        the previous common step intact (the lone newer one goes at the next save)."""
+        for agent in self.agents.values():
+            agent.actor.call("save", str(agent.ckpt_root), self.step, agent.state())
+        keep = set(self.checkpoints()[-self.cfg.trainer.keep_last_n:])
+        for agent in self.agents.values():
+            agent.prune(keep)
+
+    def restore(self, step: int, keep_scales: bool = False) -> None:
+        for agent in self.agents.values():
+            agent.restore(step, keep_scales)
+        self.step = step
+        self.trim_metrics(step)
+
+    def trim_metrics(self, step: int) -> None:
+        from megatron_rlhf.trainer.loop import trim_metrics_file
+
+        path = self.out / "metrics.jsonl"
+        if path.is_file():
+            trim_metrics_file(path, step)
+        if self.logger is not None:
+            self.logger.rewind(step)
+        self.history = [h for h in self.history if h["step"] <= step]
+
+    def rollback(self, name: str, reason: str) -> None:
+        """Every agent back to the newest common checkpoint, with the lowered learning rates
+        and raised KL weights of ``trainer.rollback``."""
+        rb, saved = self.cfg.trainer.rollback, self.checkpoints()
+        first = next(iter(self.agents.values()))
+        if not saved:
+            raise UserError(f"step {self.step + 1}: agent {name}: {reason}; no checkpoint to roll "
+                            "back to (set trainer.save_every_steps); stopped")
+        if first.rollbacks >= rb.max_rollbacks:
+            raise UserError(f"step {self.step + 1}: agent {name}: {reason}; already rolled back "
+                            f"{first.rollbacks} times (trainer.rollback.max_rollbacks); stopped. "
+                            f"Checkpoints in {self.out / 'agents'} are intact")
+        for agent in self.agents.values():
+            agent.rollbacks += 1
+            agent.lr_scale *= rb.lr_factor
+            agent.kl_ctrl.value *= rb.kl_coef_factor
+            agent.kl_loss_scale *= rb.kl_coef_factor
+        self.restore(saved[-1], keep_scales=True)
+        self.log(f"rollback {first.rollbacks}/{rb.max_rollbacks} at step {self.step + 1}: agent "
+                 f"{name}: {reason}; every agent restored to step {saved[-1]}")
+
+
+def fit(run: MultiAgentRun) -> dict[str, float]:
+    """The multi-agent loop: each step the mode plays, then every playing agent updates."""
+    cfg = run.cfg
+    while run.step < run.total_steps:
+        timer = Timer()
+        with timer("play"):
+            episodes, metrics = run.mode.play(run, run.step, timer)
+        metrics |= next(iter(run.agents.values())).reward_metrics()  # the scorer is shared
+        digests, bad = [], None
+        for name, episode in episodes.items():
+            mine, seen = run.update(name, episode, run.step, timer)
+            digests += seen
+            metrics |= {f"agent/{name}/{k}": v for k, v in mine.items()}
+            reason = run.agents[name].guard_reason(mine)
+            bad = bad or (reason and (name, reason))
+        if len(set(digests)) > 1:
+            raise UserError(f"step {run.step + 1}: the agents' workers received different "
+                            "preference tables; stopped (checkpoints untouched)")
+        if digests:
+            metrics["population/table_ranks_agreeing"] = float(len(digests))
+        if bad:
+            run.rollback(*bad)
+            continue
+        with timer("sync"):
+            for name in episodes:
+                run.agents[name].actor.call("sync_weights")
+        run.step += 1
+        metrics |= dict(timer)
+        metrics["step"] = run.step
+        run.logger.count(sum(len(e.gens) for e in episodes.values()),
+                         float(sum(e.batch["lengths"].sum() for e in episodes.values())))
+        if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
+            shown = {k.split("/", 1)[1]: v for k, v in metrics.items()
+                     if k.endswith("/reward/score_mean")}
+            metrics |= run.logger.progress(run.step, "samples", shown)
+        if cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0:
+            metrics |= run.validate(run.step)
+        run.record(metrics)
+        if cfg.trainer.save_every_steps and run.step % cfg.trainer.save_every_steps == 0:
+            run.save()
+    return run.history[-1] if run.history else {}
+
+
+# ---------------------------------------------------------------------- set-up and teardown
+def setup(cfg: PPOConfig) -> MultiAgentRun:
+    """Validate, start Ray, place every agent's group (and the judge), load the data."""
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.multi_agent.config import agent_config, check_agents
+    from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
+
+    validate_ppo_config(cfg)
+    check_agents(cfg)
+    configs = {a.name: agent_config(cfg, a, i) for i, a in enumerate(cfg.agents)}
+    for name, c in configs.items():
+        try:
+            validate_ppo_config(c)
+        except UserError as err:
+            raise UserError(f"agent {name}: {err}") from None
+    from megatron_rlhf.multi_agent.config import pools
+
+    use_gpu = torch.cuda.is_available()
+    sizes = {pool: max(a.world_size for a in members) for pool, members in pools(cfg).items()}
+    judge = cfg.multi_agent.judge_world_size if cfg.reward.model_path else 0
+    started = start_ray(cfg.ray, sum(sizes.values()) + judge, use_gpu)
+    run = None
+    try:
+        run = _place(cfg, configs, sizes, use_gpu, started)
+        return run
+    except BaseException:
+        if run is not None:
+            shutdown(run)
+        stop_ray(started)
+        raise
+
+
+def _place(cfg, configs: dict, sizes: dict, use_gpu: bool, started: bool) -> MultiAgentRun:
+    from megatron_rlhf.multi_agent.config import pools
+    from megatron_rlhf.multi_agent.modes import make_mode
+    from megatron_rlhf.orchestration.worker_group import ResourcePool, WorkerGroup
+    from megatron_rlhf.trainer.main_ppo import _reward_scorer, setup_data
+    from megatron_rlhf.trainer.ppo_driver import PPORun, kl_controller
+    from megatron_rlhf.trainer.ppo_worker import PPOWorker
+
+    rewards = _reward_scorer(cfg)
+    first = configs[cfg.agents[0].name]
+    data = setup_data(first, rewards)
+    placed = {name: ResourcePool(name, size, use_gpu) for name, size in sizes.items()}
+    run = MultiAgentRun(cfg, {}, make_mode(cfg, list(configs)), data.total, pools=list(placed.values()),
+                        rewards=rewards, ray_started=started)
+    rewards.start()
+    threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // sum(sizes.values()))
+    if cfg.reward.model_path:
+        from megatron_rlhf.config.parallel import layout_of
+
+        size = cfg.multi_agent.judge_world_size
+        run.judge = WorkerGroup("judge", size, use_gpu, threads)
+        par = cfg.critic.parallel or cfg.actor.parallel
+        run.judge.build(PPOWorker, first, ("critic",), layout_of(par).resolve(size, data.arch.shape),
+                        {"actor": 0, "critic": 0})
+    for pool_name, members in pools(cfg).items():
+        for agent in members:
+            c = configs[agent.name]
+            group, layout = _agent_group(c, agent, placed[pool_name], len(members), use_gpu,
+                                         threads, data, run.mode)
+            run.agents[agent.name] = PPORun(
+                c, group, run.judge or group, data.tokenizer, data.train, data.val, data.stop_ids,
+                rewards.fns.get("fn"), rewards.fns.get("oracle"), data.total, data.steps_per_epoch,
+                kl_controller(c), rewards=rewards)
+            run.log(f"agent {agent.name}: {agent.model_path}, layout {layout} on pool {pool_name} "
+                    f"({len(members)} agent(s) sharing {placed[pool_name].size} device(s))")
+    run.agents = {a.name: run.agents[a.name] for a in cfg.agents}  # the config's order
+    run.log(f"mode {cfg.multi_agent.mode}; {data.total} steps of {cfg.data.train_batch_size} "
+            f"prompts; prompts: {data.report}")
+    return run
+
+
+def _agent_group(c: PPOConfig, agent, pool, share: int, use_gpu: bool, threads: int, data, mode):
+    """One agent's worker group, built on its pool: (group, layout)."""
+    from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
+    from megatron_rlhf.config.ppo_checks import check_layout
+    from megatron_rlhf.orchestration.worker_group import WorkerGroup
+    from megatron_rlhf.trainer.ppo_worker import PPOWorker, policy_files
+
+    arch, hf_dir = policy_files(agent.model_path)
+    _same_vocabulary(data.tokenizer, hf_dir, agent.name)
+    check_parallel_for_model(f"agents.{agent.name}.parallel", c.actor.parallel, arch)
+    layout = layout_of(c.actor.parallel).resolve(agent.world_size, arch.shape)
+    try:
+        check_layout(c, agent.world_size, layout.dp)
+    except UserError as err:
+        raise UserError(f"agent {agent.name}: {err}") from None
+    samples = _samples_per_step(c, agent.name, mode)
+    per_epoch = max(1, samples // c.actor.ppo_mini_batch_size)
+    updates = {"actor": data.total * c.actor.ppo_epochs * per_epoch, "critic": 0}
+    group = WorkerGroup(f"agent-{agent.name}", agent.world_size, use_gpu, threads, pool=pool,
+                        share=share)
+    group.build(PPOWorker, c, ("actor",), layout, updates)
+    return group, layout
+
+
+def _samples_per_step(c: PPOConfig, name: str, mode) -> int:
+    """A proposer writes one sample per task; every other agent ``rollout.n`` per prompt."""
+    if getattr(mode, "proposer", None) == name:
+        return c.data.train_batch_size
+    return c.data.train_batch_size * c.rollout.n
+
+
+def _same_vocabulary(tokenizer, hf_dir, name: str) -> None:
+    """Agents pass token ids to each other and to one reward model: one vocabulary for all."""
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"agent {name}: its tokenizer ({hf_dir}) differs from the first agent's; "
+                        "agents exchange token ids and share a reward model, so they need one "
+                        "vocabulary")
+
+
+def start(run: MultiAgentRun) -> None:
+    """Resume from the newest step every agent has (or refuse to overwrite), open the logs,
+    first weight sync, first validation."""
+    from megatron_rlhf.monitoring import MetricsLogger
+
+    out, t = run.out, run.cfg.trainer
+    out.mkdir(parents=True, exist_ok=True)
+    saved = run.checkpoints()
+    if t.resume == "disable" and (saved or (out / "metrics.jsonl").is_file()):
+        raise UserError(f"{out} already holds a run; with trainer.resume=disable choose an empty "
+                        "trainer.output_dir")
+    if saved and t.resume == "auto":
+        run.restore(saved[-1])
+        run.log(f"resumed every agent from step {saved[-1]} ({out / 'agents'})")
+    else:
+        run.trim_metrics(-1)
+        for agent in run.agents.values():
+            agent.actor.call("sync_weights")
+    run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step)
+    if run.step == 0 and t.val_before_train and next(iter(run.agents.values())).val:
+        run.record({"step": 0, **run.validate(0)})
+
+
+def shutdown(run: MultiAgentRun) -> None:
+    if run.rewards is not None:
+        run.rewards.close()
+    if run.logger is not None:
+        run.logger.close()
+    for agent in run.agents.values():
+        agent.actor.shutdown()
+    if run.judge is not None:
+        run.judge.shutdown()
+    for pool in run.pools:
+        pool.remove()
+
+
+def train_agents(cfg: PPOConfig) -> dict[str, float]:
+    """``megatron-rlhf ppo`` with ``agents:``: set up, resume, train, save, validate."""
+    from megatron_rlhf.orchestration.cluster import stop_ray
+
+    run = None
+    try:
+        run = setup(cfg)
+        start(run)
+        last = fit(run)
+        if not run.checkpoints() or run.checkpoints()[-1] != run.step:
+            run.save()
+        every = cfg.trainer.eval_every_steps
+        if not (every and run.step % every == 0):
+            final = run.validate(run.step)
+            if final:
+                last = {**last, **final}
+                run.record({"step": run.step, **final})
+        run.log(f"done: {run.step} steps; checkpoints in {run.out / 'agents'}/<name>/checkpoints")
+        return last
+    finally:
+        if run is not None:
+            shutdown(run)
+            stop_ray(run.ray_started)

@@ -1,0 +1,219 @@
+"""Play modes: who speaks when, what each agent sees, and what each is scored on.
+
+A mode's :meth:`play` returns one :class:`Episode` per agent that trains this step: its samples
+as a PPO batch, each sample's score, and (population) the step's preference table. The
+driver turns episodes into updates the same way for every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from megatron_rlhf.algorithms.multi_agent import agent_win_matrix, learnability
+from megatron_rlhf.algorithms.sppo import pairwise_preferences, win_rates
+from megatron_rlhf.data.chat import as_messages, render_prompt
+from megatron_rlhf.data.prompts import Prompt
+from megatron_rlhf.data.tasks import AdditionTask, parse_question
+from megatron_rlhf.rollout.base import Generation
+from megatron_rlhf.trainer.ppo_experience import build_batch, sppo_preference
+
+
+@dataclass
+class Episode:
+    """One agent's share of a step: ``gens`` of ``prompts``, as ``batch``, scored (``scored``:
+    ``score [N]``, ``rm``, ``turns``, ``oracle``). ``advantages [N, T]``: set by modes whose
+    targets are not a per-agent function of the scores (population)."""
+
+    prompts: list[Prompt]
+    gens: list[Generation]
+    batch: dict
+    scored: dict
+    advantages: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class PlayMode(Protocol):
+    def play(self, run, step: int, timer) -> tuple[dict[str, Episode], dict[str, float]]:
+        """(episodes by agent name, the step's mode-level metrics)."""
+
+    def validated(self, run) -> list[str]:
+        """Agents whose policy answers ``data.val_files`` (the task's held-out questions)."""
+
+
+def _episode(agent, prompts: list[Prompt], gens: list[Generation]) -> Episode:
+    batch = build_batch([p.ids for p in prompts], gens, agent.pad_id)
+    return Episode(prompts, gens, batch, agent.scores(prompts, gens, batch))
+
+
+class Population:
+    """Every agent answers every prompt (``rollout.n`` samples each); the preference model
+    compares every pair of samples of a prompt, across agents and within each; each agent's
+    target is its samples' win rate against the whole population (multi-agent SPPO)."""
+
+    def play(self, run, step: int, timer):
+        names = list(run.agents)
+        prompts = run.agents[names[0]].step_prompts(step)
+        episodes = {}
+        for name in names:
+            agent = run.agents[name]
+            with timer(f"gen/{name}"):
+                gens = agent.generate(prompts, agent.sampling(step))
+            with timer(f"reward/{name}"):
+                episodes[name] = _episode(agent, prompts, gens)
+        first = episodes[names[0]]
+        scores = torch.cat([episodes[n].scored["score"] for n in names])
+        groups = torch.cat([episodes[n].batch["group"] for n in names])
+        owners = torch.cat([torch.full((len(episodes[n].gens),), k) for k, n in enumerate(names)])
+        # Computed once, here: every agent's workers receive this very table.
+        table = pairwise_preferences(scores, sppo_preference(run.cfg.algorithm, first.batch))
+        rates, offset = win_rates(table, groups), 0
+        for name in names:
+            episode = episodes[name]
+            rows = torch.arange(offset, offset + len(episode.gens))
+            offset += len(episode.gens)
+            episode.batch.update(preferences=table, population_group=groups, population_rows=rows)
+            episode.advantages = (rates[rows] - 0.5)[:, None] * episode.batch["loss_mask"]
+            episode.metrics["population/win_rate"] = float(rates[rows].mean())
+        matrix = agent_win_matrix(table, groups, owners, len(names))
+        metrics = {f"population/win_rate/{a}/{b}": float(matrix[i, j])
+                   for i, a in enumerate(names) for j, b in enumerate(names) if i != j}
+        return episodes, metrics
+
+    def validated(self, run) -> list[str]:
+        return list(run.agents)
+
+
+def _user_prompt(tokenizer, text: str, ground_truth: str | None = None) -> Prompt:
+    return Prompt(tuple(render_prompt(tokenizer, as_messages(text, "user"))), ground_truth, text)
+
+
+def _by_prompt(values: torch.Tensor, gens: list[Generation], count: int) -> torch.Tensor:
+    """Mean of per-sample ``values [N]`` over each prompt's samples -> ``[count]``."""
+    index = torch.tensor([g.prompt_index for g in gens])
+    sums = torch.zeros(count).index_add_(0, index, values.float())
+    return sums / torch.bincount(index, minlength=count).clamp(min=1)
+
+
+class ProposerSolver:
+    """The proposer writes ``data.train_batch_size`` tasks a step (one prompt,
+    ``multi_agent.proposer_prompt``); those that parse as a task of the family become the
+    solver's prompts (``rollout.n`` samples each, checked by ``reward.fn`` against the task's
+    own answer). The solver is rewarded for correct answers; the proposer, per task, by
+    :func:`learnability` of the solver's solve rate (0 for a task that does not parse)."""
+
+    def __init__(self, cfg, names: list[str]):
+        m = cfg.multi_agent
+        self.proposer = m.proposer or names[0]
+        self.solver = next(n for n in names if n != self.proposer)
+        self.task = AdditionTask()
+
+    def play(self, run, step: int, timer):
+        proposer, solver = run.agents[self.proposer], run.agents[self.solver]
+        count = run.cfg.data.train_batch_size
+        ask = _user_prompt(proposer.tokenizer, run.cfg.multi_agent.proposer_prompt)
+        with timer(f"gen/{self.proposer}"):
+            proposals = proposer.generate([ask], dataclasses.replace(proposer.sampling(step), n=count))
+        texts = [proposer.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in proposals]
+        tasks = [parse_question(t, self.task) for t in texts]
+        valid = [i for i, t in enumerate(tasks) if t is not None]
+        metrics = {"proposer/valid_fraction": len(valid) / count}
+        rates = torch.zeros(count)
+        episodes = {}
+        if valid:
+            # Every solver slot gets a proposed task (valid ones repeat to fill the step), so
+            # the solver's batch keeps the size its layout divides.
+            slots = [valid[k % len(valid)] for k in range(count)]
+            questions = [_user_prompt(solver.tokenizer, AdditionTask.question(*tasks[i])[0],
+                                      str(sum(tasks[i]))) for i in slots]
+            with timer(f"gen/{self.solver}"):
+                gens = solver.generate(questions, solver.sampling(step))
+            with timer(f"reward/{self.solver}"):
+                episodes[self.solver] = _episode(solver, questions, gens)
+            solved = episodes[self.solver].scored.get("oracle", episodes[self.solver].scored["score"])
+            per_slot = _by_prompt(solved, gens, count)
+            for i in valid:
+                rates[i] = per_slot[torch.tensor([s == i for s in slots])].mean()
+            metrics["solver/solve_rate"] = float(per_slot.mean())
+        is_valid = torch.zeros(count, dtype=torch.bool)
+        is_valid[valid] = True
+        score = learnability(rates, is_valid)
+        batch = build_batch([ask.ids], proposals, proposer.pad_id)
+        episodes[self.proposer] = Episode([ask], proposals, batch,
+                                          {"score": score, "rm": None, "turns": None})
+        metrics["proposer/learnability_mean"] = float(score.mean())
+        if valid:
+            metrics["proposer/distinct_tasks"] = float(len({tasks[i] for i in valid}))
+        return episodes, metrics
+
+    def validated(self, run) -> list[str]:
+        return [self.solver]
+
+
+class CritiqueRevise:
+    """The answerer answers (``rollout.n`` samples a prompt); the critic reads the prompt, the
+    answer and ``multi_agent.critique_prompt`` and writes a critique; the answerer reads it all
+    and ``multi_agent.revise_prompt`` and writes its final answer, which ``reward.fn`` (and/or
+    the reward model) scores. Both agents get that score, each on its own tokens only: the
+    answerer's sample masks the critique out, the critic's sample is its critique alone."""
+
+    def __init__(self, cfg, names: list[str]):
+        self.answerer = cfg.multi_agent.answerer or names[0]
+        self.critic = next(n for n in names if n != self.answerer)
+
+    def play(self, run, step: int, timer):
+        answerer, critic = run.agents[self.answerer], run.agents[self.critic]
+        m, tok = run.cfg.multi_agent, answerer.tokenizer
+        prompts = answerer.step_prompts(step)
+        critique_ids = tok(m.critique_prompt, add_special_tokens=False)["input_ids"]
+        revise_ids = tok(m.revise_prompt, add_special_tokens=False)["input_ids"]
+        with timer(f"gen/{self.answerer}"):
+            answers = answerer.generate(prompts, answerer.sampling(step))
+        seen = [list(prompts[g.prompt_index].ids) + g.tokens + critique_ids for g in answers]
+        one = dataclasses.replace(answerer.sampling(step), n=1)
+        with timer(f"gen/{self.critic}"):
+            critiques = _in_order(critic._generate_ids(seen, dataclasses.replace(
+                critic.sampling(step), n=1), release=True))
+        final_prompts = [s + c.tokens + revise_ids for s, c in zip(seen, critiques)]
+        with timer(f"gen/{self.answerer}"):
+            finals = _in_order(answerer._generate_ids(final_prompts, one, release=True))
+        joined = []
+        for a, c, f in zip(answers, critiques, finals):
+            between = len(critique_ids) + len(c.tokens) + len(revise_ids)
+            joined.append(Generation(
+                a.prompt_index, a.tokens + critique_ids + c.tokens + revise_ids + f.tokens,
+                a.logprobs + [0.0] * between + f.logprobs, f.finished,
+                mask=[1] * len(a.tokens) + [0] * between + [1] * len(f.tokens)))
+        with timer(f"reward/{self.answerer}"):
+            mine = _episode(answerer, prompts, joined)  # scores the final answer (last turn)
+        critic_prompts = [Prompt(tuple(s), prompts[a.prompt_index].ground_truth,
+                                 prompts[a.prompt_index].text) for s, a in zip(seen, answers)]
+        critic_gens = [Generation(row, c.tokens, c.logprobs, c.finished) for row, c in enumerate(critiques)]
+        batch = build_batch([p.ids for p in critic_prompts], critic_gens, critic.pad_id)
+        batch["group"] = torch.tensor([a.prompt_index for a in answers])  # baselines per question
+        theirs = Episode(critic_prompts, critic_gens, batch, dict(mine.scored))
+        metrics = {}
+        if mine.scored.get("oracle") is not None:
+            first = _episode(answerer, prompts, answers).scored
+            metrics = {"critique/first_answer_acc": float(first["oracle"].mean()),
+                       "critique/final_answer_acc": float(mine.scored["oracle"].mean())}
+        return {self.answerer: mine, self.critic: theirs}, metrics
+
+    def validated(self, run) -> list[str]:
+        return [self.answerer]
+
+
+def _in_order(gens: list[Generation]) -> list[Generation]:
+    return sorted(gens, key=lambda g: g.prompt_index)
+
+
+def make_mode(cfg, names: list[str]) -> PlayMode:
+    mode = cfg.multi_agent.mode
+    if mode == "population":
+        return Population()
+    if mode == "proposer-solver":
+        return ProposerSolver(cfg, names)
+    return CritiqueRevise(cfg, names)

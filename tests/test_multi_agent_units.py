@@ -1,0 +1,225 @@
+"""Multi-agent pieces without Ray: the win-rate matrix and the proposer's reward against loops,
+the config checks (one clear line each), and every play mode on scripted agents (what each
+agent sees, what it is scored on, which tokens carry its loss)."""
+
+import torch
+import pytest
+
+from megatron_rlhf.algorithms.multi_agent import agent_win_matrix, learnability
+from megatron_rlhf.algorithms.sppo import pairwise_preferences, win_rates
+from megatron_rlhf.config.loader import load_config
+from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.data.prompts import Prompt
+from megatron_rlhf.data.tasks import parse_question
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.multi_agent.config import agent_config, check_agents, pools
+from megatron_rlhf.multi_agent.modes import CritiqueRevise, Population, ProposerSolver
+from megatron_rlhf.rollout.base import Generation
+from megatron_rlhf.trainer.ppo_driver import Timer
+
+
+def test_win_matrix_matches_a_loop_and_is_complementary():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(24, generator=gen)
+    groups = torch.arange(4).repeat_interleave(2).repeat(3)  # 3 agents x 4 prompts x 2 samples
+    owners = torch.arange(3).repeat_interleave(8)
+    table = pairwise_preferences(scores, "bradley_terry")
+    matrix = agent_win_matrix(table, groups, owners, 3)
+    for a in range(3):
+        for b in range(3):
+            pairs = [table[i, j] for i in range(24) for j in range(24)
+                     if i != j and groups[i] == groups[j] and owners[i] == a and owners[j] == b]
+            assert torch.allclose(matrix[a, b], torch.stack(pairs).mean(), atol=1e-6)
+            assert abs(float(matrix[a, b] + matrix[b, a]) - 1.0) < 1e-6
+    assert torch.allclose(matrix.diagonal(), torch.full((3,), 0.5), atol=1e-6)
+
+
+def test_learnability_by_hand():
+    rates = torch.tensor([0.0, 0.25, 0.5, 1.0, 0.5])
+    valid = torch.tensor([True, True, True, True, False])
+    assert learnability(rates, valid).tolist() == [0.0, 0.5, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("text,expected", [("What is 12 + 7?", (12, 7)), ("3 and 4 and 5", (3, 4)),
+                                           ("The answer is 19.", None), ("What is 120 + 1?", None),
+                                           ("", None)])
+def test_proposals_parse_as_two_operands_in_range(text, expected):
+    assert parse_question(text) == expected
+
+
+def _cfg(*overrides):
+    base = ["data.train_files=[x.parquet]", "agents=[{name: a, model_path: m1}, {name: b, model_path: m2}]",
+            "algorithm.adv_estimator=sppo", "actor.policy_loss=sppo",
+            "actor.loss_agg_mode=seq-mean-token-mean", "reward.fn=addition",
+            "algorithm.use_kl_in_reward=false"]
+    return load_config(PPOConfig, None, base + list(overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["agents=[{name: a, model_path: m}, {name: a, model_path: n}]"], "clashes with an earlier agent"),
+    (["agents=[{name: a, model_path: m}]"], "needs two or more"),
+    (["agents=[{name: 'a b', model_path: m}, {name: c, model_path: n}]"], "must be letters"),
+    (["multi_agent.mode=chess"], "multi_agent.mode='chess' must be one of"),
+    (["algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla"], "population trains every agent with SPPO"),
+    (["multi_agent.mode=proposer-solver"], "scores each agent on its own"),
+    (["multi_agent.proposer=zed"], "multi_agent.proposer='zed' is not an agent"),
+    (["algorithm.filter_groups.enable=true"], "not supported with agents"),
+])
+def test_bad_agent_configs_are_one_clear_line(overrides, message):
+    with pytest.raises(UserError, match=message):
+        check_agents(_cfg(*overrides))
+
+
+def test_an_agent_without_a_model_is_named():
+    with pytest.raises(UserError, match=r"missing required value for agents\[1\].model_path"):
+        load_config(PPOConfig, None, ["agents=[{name: a, model_path: m}, {name: b}]"])
+
+
+def test_agent_configs_and_pools():
+    cfg = _cfg("agents=[{name: a, model_path: m1}, {name: b, model_path: m2, optim: {lr: 0.5}, "
+               "world_size: 2, resource_pool: separate}, {name: c, model_path: m3}]",
+               "agents.2.temperature=0.3", "trainer.output_dir=/tmp/run")
+    check_agents(cfg)
+    b = agent_config(cfg, cfg.agents[1], 1)
+    assert b.actor.model_path == "m2" and b.actor.optim.lr == 0.5 and b.trainer.n_gpus_per_node == 2
+    assert b.trainer.output_dir == "/tmp/run/agents/b" and b.rollout.seed != cfg.rollout.seed
+    assert agent_config(cfg, cfg.agents[2], 2).rollout.temperature == 0.3
+    assert agent_config(cfg, cfg.agents[0], 0).actor.optim.lr == cfg.actor.optim.lr
+    assert {k: [a.name for a in v] for k, v in pools(cfg).items()} == {"shared": ["a", "c"],
+                                                                       "agent-b": ["b"]}
+
+
+# ---------------------------------------------------------------------------- scripted agents
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from megatron_rlhf.models.tiny import train_tokenizer
+
+    texts = [f"What is {a} + {b}? The answer is {a + b}. Check this answer. Final answer:"
+             for a in range(10) for b in range(10)]
+    return train_tokenizer(texts, tmp_path_factory.mktemp("tok"), vocab_size=300)
+
+
+class Scripted:
+    """An agent whose replies are a function of the prompt text; records what it was shown."""
+
+    def __init__(self, tokenizer, reply, score=None, prompts=None):
+        self.tokenizer, self.reply, self.score_fn = tokenizer, reply, score
+        self.prompts, self.seen, self.pad_id = prompts or [], [], tokenizer.pad_token_id
+
+    def step_prompts(self, step):
+        return self.prompts
+
+    def sampling(self, step):
+        from megatron_rlhf.rollout.base import SamplingParams
+
+        return SamplingParams(max_tokens=8, n=2, seed=step)
+
+    def _generate_ids(self, ids, params, release=False):
+        out = []
+        for index, prompt in enumerate(ids):
+            text = self.tokenizer.decode(prompt, skip_special_tokens=True)
+            self.seen.append(text)
+            for k in range(params.n):
+                tokens = self.tokenizer(self.reply(text, k), add_special_tokens=False)["input_ids"]
+                out.append(Generation(index, tokens, [-0.5] * len(tokens), True))
+        return out
+
+    def generate(self, prompts, params, turns=1):
+        return self._generate_ids([list(p.ids) for p in prompts], params)
+
+    def scores(self, prompts, gens, batch):
+        from megatron_rlhf.trainer.ppo_driver import _last_turn
+
+        texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
+        values = torch.tensor([self.score_fn(t, prompts[g.prompt_index]) for t, g in zip(texts, gens)])
+        return {"score": values, "rm": None, "turns": None, "oracle": values}
+
+
+class Run:
+    def __init__(self, cfg, agents):
+        self.cfg, self.agents = cfg, agents
+
+
+def _prompt(tokenizer, text, truth=None):
+    from megatron_rlhf.multi_agent.modes import _user_prompt
+
+    return _user_prompt(tokenizer, text, truth)
+
+
+def _right(text, prompt):
+    from megatron_rlhf.data.tasks import check_answer
+
+    return check_answer(text, prompt.ground_truth)
+
+
+def test_population_shares_one_table_and_scores_against_everyone(tokenizer):
+    prompts = [_prompt(tokenizer, f"What is {a} + 1?", str(a + 1)) for a in range(3)]
+    # a is always right, b right on its first sample only: a beats b, b's first ties a.
+    a = Scripted(tokenizer, lambda t, k: f"The answer is {int(t.split()[2]) + 1}.", _right, prompts)
+    b = Scripted(tokenizer, lambda t, k: f"The answer is {int(t.split()[2]) + 1 + k}.", _right, prompts)
+    cfg = _cfg()
+    episodes, metrics = Population().play(Run(cfg, {"a": a, "b": b}), 0, Timer())
+    table = episodes["a"].batch["preferences"]
+    assert table is episodes["b"].batch["preferences"]  # one table, computed once
+    assert torch.equal(table, 1.0 - table.T)
+    scores = torch.cat([episodes[n].scored["score"] for n in "ab"])
+    assert torch.equal(table, pairwise_preferences(scores, "rule"))
+    rates = win_rates(table, episodes["a"].batch["population_group"])
+    for name, rows in (("a", range(0, 6)), ("b", range(6, 12))):
+        ep = episodes[name]
+        assert ep.batch["population_rows"].tolist() == list(rows)
+        per_sample = (ep.advantages * ep.batch["loss_mask"]).sum(1) / ep.batch["loss_mask"].sum(1)
+        assert torch.allclose(per_sample, rates[list(rows)] - 0.5)
+    # By hand: each of a's samples meets a's other (tie), b's right one (tie) and b's wrong one
+    # (win): (0.5 + 0.5 + 1) / 3.
+    assert torch.allclose(rates[:6], torch.full((6,), 2 / 3))
+    assert metrics["population/win_rate/a/b"] == pytest.approx(0.75)
+    assert metrics["population/win_rate/b/a"] == pytest.approx(0.25)
+
+
+def test_proposer_solver_feeds_valid_tasks_and_rewards_learnability(tokenizer):
+    cfg = _cfg("multi_agent.mode=proposer-solver", "algorithm.adv_estimator=grpo",
+               "actor.policy_loss=vanilla", "data.train_batch_size=4")
+    proposals = ["What is 2 + 3?", "no numbers here", "What is 4 + 4?", "What is 5 + 1?"]
+    proposer = Scripted(tokenizer, lambda t, k: proposals[k])
+    # The solver gets 2+3 always right, 4+4 right once in two, 5+1 never.
+    answers = {"2 + 3": ["5", "5"], "4 + 4": ["8", "7"], "5 + 1": ["0", "0"]}
+    solver = Scripted(tokenizer, lambda t, k: f"The answer is {answers[t.split('is ')[1][:5]][k]}.",
+                      _right)
+    mode = ProposerSolver(cfg, ["p", "s"])
+    episodes, metrics = mode.play(Run(cfg, {"p": proposer, "s": solver}), 0, Timer())
+    assert metrics["proposer/valid_fraction"] == 0.75
+    asked = [t for t in solver.seen]
+    assert len(asked) == 4 and all("What is" in t for t in asked)  # 3 valid tasks fill 4 slots
+    assert asked[3] == asked[0]  # the first valid task repeats in the invalid one's slot
+    truths = [p.ground_truth for p in episodes["s"].prompts]
+    assert truths == ["5", "8", "6", "5"]
+    # learnability per proposal: 2+3 solved at 1 -> 0; invalid -> 0; 4+4 at 1/2 -> 1; 5+1 at 0 -> 0
+    assert episodes["p"].scored["score"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert episodes["p"].batch["input_ids"].shape[0] == 4 and len(proposer.seen) == 1
+
+
+def test_critique_revise_masks_each_agents_tokens(tokenizer):
+    cfg = _cfg("multi_agent.mode=critique-revise", "algorithm.adv_estimator=grpo",
+               "actor.policy_loss=vanilla")
+    prompts = [_prompt(tokenizer, "What is 2 + 3?", "5")]
+
+    def answerer(text, k):  # first a wrong answer; after a critique, the right one
+        return "The answer is 5." if "Final answer:" in text else "The answer is 6."
+
+    a = Scripted(tokenizer, answerer, _right, prompts)
+    b = Scripted(tokenizer, lambda t, k: "wrong", _right)
+    mode = CritiqueRevise(cfg, ["a", "b"])
+    episodes, metrics = mode.play(Run(cfg, {"a": a, "b": b}), 0, Timer())
+    assert metrics == {"critique/first_answer_acc": 0.0, "critique/final_answer_acc": 1.0}
+    mine, theirs = episodes["a"], episodes["b"]
+    assert "The answer is 6. Check this answer." in b.seen[0]  # the critic read the answer
+    assert "wrong Final answer:" in a.seen[-1]  # the answerer read the critique
+    ids, mask = mine.batch["input_ids"][0], mine.batch["loss_mask"][0]
+    # The answerer's loss covers its two replies and nothing of the critic's or the prompts'.
+    trained = tokenizer.decode(ids[1:][mask[:-1] > 0].tolist())
+    assert trained == "The answer is 6.The answer is 5."
+    critic_trained = tokenizer.decode(theirs.batch["input_ids"][0][1:][theirs.batch["loss_mask"][0][:-1] > 0].tolist())
+    assert critic_trained == "wrong"
+    assert mine.scored["score"].tolist() == [1.0, 1.0] == theirs.scored["score"].tolist()
+    assert theirs.batch["group"].tolist() == [0, 0]  # the critic's baseline: per question
