@@ -105,6 +105,7 @@ class Scripted:
     def __init__(self, tokenizer, reply, score=None, prompts=None):
         self.tokenizer, self.reply, self.score_fn = tokenizer, reply, score
         self.prompts, self.seen, self.pad_id = prompts or [], [], tokenizer.pad_token_id
+        self.val = []
 
     def step_prompts(self, step):
         return self.prompts
@@ -179,24 +180,27 @@ def test_population_shares_one_table_and_scores_against_everyone(tokenizer):
 
 def test_proposer_solver_feeds_valid_tasks_and_rewards_learnability(tokenizer):
     cfg = _cfg("multi_agent.mode=proposer-solver", "algorithm.adv_estimator=grpo",
-               "actor.policy_loss=vanilla", "data.train_batch_size=4")
-    proposals = ["What is 2 + 3?", "no numbers here", "What is 4 + 4?", "What is 5 + 1?"]
+               "actor.policy_loss=vanilla", "data.train_batch_size=6")
+    proposals = ["What is 2 + 3?", "no numbers here", "What is 4 + 4?", "What is 5 + 1?",
+                 "What is 9 + 9?", "What is 20 + 1?"]
     proposer = Scripted(tokenizer, lambda t, k: proposals[k])
     # The solver gets 2+3 always right, 4+4 right once in two, 5+1 never.
     answers = {"2 + 3": ["5", "5"], "4 + 4": ["8", "7"], "5 + 1": ["0", "0"]}
     solver = Scripted(tokenizer, lambda t, k: f"The answer is {answers[t.split('is ')[1][:5]][k]}.",
                       _right)
+    solver.val = [_prompt(tokenizer, "What is 9 + 9?", "18")]  # held out: never a task
     mode = ProposerSolver(cfg, ["p", "s"])
     episodes, metrics = mode.play(Run(cfg, {"p": proposer, "s": solver}), 0, Timer())
-    assert metrics["proposer/valid_fraction"] == 0.75
+    # Invalid: no numbers, a held-out question, an operand over multi_agent.task_high (19).
+    assert metrics["proposer/valid_fraction"] == 0.5
     asked = [t for t in solver.seen]
-    assert len(asked) == 4 and all("What is" in t for t in asked)  # 3 valid tasks fill 4 slots
-    assert asked[3] == asked[0]  # the first valid task repeats in the invalid one's slot
+    assert len(asked) == 6 and all("What is" in t for t in asked)  # 3 valid tasks fill 6 slots
+    assert asked[3:] == asked[:3]  # valid tasks repeat in the invalid ones' slots
     truths = [p.ground_truth for p in episodes["s"].prompts]
-    assert truths == ["5", "8", "6", "5"]
+    assert truths == ["5", "8", "6", "5", "8", "6"]
     # learnability per proposal: 2+3 solved at 1 -> 0; invalid -> 0; 4+4 at 1/2 -> 1; 5+1 at 0 -> 0
-    assert episodes["p"].scored["score"].tolist() == [0.0, 0.0, 1.0, 0.0]
-    assert episodes["p"].batch["input_ids"].shape[0] == 4 and len(proposer.seen) == 1
+    assert episodes["p"].scored["score"].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    assert episodes["p"].batch["input_ids"].shape[0] == 6 and len(proposer.seen) == 1
 
 
 def test_critique_revise_masks_each_agents_tokens(tokenizer):

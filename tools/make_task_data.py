@@ -169,10 +169,18 @@ def main(argv=None) -> list[Path]:
                              "SYSTEM_PROMPTS entry (e.g. default) as the system message")
     parser.add_argument("--task-config", type=json.loads, default=None,
                         help='reasoning-gym: the task config\'s fields as JSON, e.g. \'{"max_terms": 3}\'')
+    parser.add_argument("--proposer", metavar="INSTRUCTION", default=None,
+                        help="bundled: also write proposer_{train,val}.parquet, SFT pairs "
+                             "INSTRUCTION -> a training question (a proposer-solver run's proposer)")
     args = parser.parse_args(argv)
     if args.source == "bundled":
-        return write_task_files(args.out_dir, 20000 if args.train is None else args.train,
-                                500 if args.val is None else args.val, args.seed, args.high)
+        train, val = 20000 if args.train is None else args.train, 500 if args.val is None else args.val
+        paths = write_task_files(args.out_dir, train, val, args.seed, args.high)
+        if args.proposer:
+            from megatron_rlhf.data.task_files import write_proposer_files
+
+            paths += write_proposer_files(args.out_dir, args.proposer, train, val, args.seed, args.high)
+        return paths
     if args.source == "champ":
         return write_champ(args.out_dir, args.train)
     if not args.task:

@@ -328,9 +328,11 @@ class MultiAgentConfig:
     """Ranks of the group that hosts the shared reward model (``reward.model_path``)."""
     proposer: Optional[str] = None
     """proposer-solver: the agent that writes tasks (default the first); the other solves."""
-    proposer_prompt: str = "Write a new addition question."
+    proposer_prompt: str = "Write a question."
     task: str = "addition"
     """proposer-solver's task family: what a proposal must parse as, and its checker."""
+    task_high: int = 19
+    """addition: the largest operand a valid proposal may use (the bundled task's default)."""
     answerer: Optional[str] = None
     """critique-revise: the agent that answers and revises (default the first)."""
     critique_prompt: str = " Check this answer."

@@ -28,3 +28,21 @@ def write_task_files(out_dir: str, train: int, val: int, seed: int = 0, high: in
             write_table_atomic(pa.table(columns), out / name)
             paths.append(out / name)
     return paths
+
+
+def write_proposer_files(out_dir: str, instruction: str, train: int, val: int, seed: int = 0,
+                         high: int = 19, val_fraction: float = 0.1) -> list[Path]:
+    """SFT pairs that teach a proposer the task's format: ``instruction`` -> a question
+    (``proposer_{train,val}.parquet``), drawn from the same training operands as
+    :func:`write_task_files` with these arguments, never from the held-out ones."""
+    import random
+
+    train_ops, _ = split_operands(AdditionTask(high=high), val_fraction, seed)
+    rng = random.Random(seed + 3)
+    paths = []
+    for split, count in (("train", train), ("val", val)):
+        questions = [AdditionTask.question(*rng.choice(train_ops))[0] for _ in range(count)]
+        path = Path(out_dir) / f"proposer_{split}.parquet"
+        write_table_atomic(pa.table({"prompt": [instruction] * count, "response": questions}), path)
+        paths.append(path)
+    return paths

@@ -109,7 +109,7 @@ class ProposerSolver:
         m = cfg.multi_agent
         self.proposer = m.proposer or names[0]
         self.solver = next(n for n in names if n != self.proposer)
-        self.task = AdditionTask()
+        self.task = AdditionTask(high=m.task_high)
 
     def play(self, run, step: int, timer):
         proposer, solver = run.agents[self.proposer], run.agents[self.solver]
@@ -118,7 +118,11 @@ class ProposerSolver:
         with timer(f"gen/{self.proposer}"):
             proposals = proposer.generate([ask], dataclasses.replace(proposer.sampling(step), n=count))
         texts = [proposer.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in proposals]
+        # A held-out question is no task: the solver's held-out solve rate must stay held out.
+        held_out = {p.text for p in solver.val}
         tasks = [parse_question(t, self.task) for t in texts]
+        tasks = [t if t is not None and AdditionTask.question(*t)[0] not in held_out else None
+                 for t in tasks]
         valid = [i for i, t in enumerate(tasks) if t is not None]
         metrics = {"proposer/valid_fraction": len(valid) / count}
         rates = torch.zeros(count)
