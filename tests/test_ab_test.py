@@ -90,3 +90,19 @@ def test_a_non_empty_out_folder_is_refused(ab_workspace, tmp_path):
     proc = ab_test(ab_workspace, tmp_path / "ab", "--judge", "fn:addition")
     assert proc.returncode == 2 and "already exists and is not empty" in proc.stderr
     assert (tmp_path / "ab" / "keep.txt").read_text() == "finished work"
+
+
+def test_tensor_parallel_judging_matches_one_process(ab_workspace, tmp_path):
+    """``--tp 2`` over two processes: the same responses, and the reward model (split over two
+    ranks) scores them as one process does."""
+    judge = ("--judge", f"rm:{ab_workspace / 'rm'}", "--policy-a", str(ab_workspace / "base_ckpt"),
+             "--batch-size", "8")
+    one, two = tmp_path / "one", tmp_path / "tp2"
+    for out, extra in ((one, ()), (two, ("--nproc-per-node", "2", "--tp", "2"))):
+        proc = ab_test(ab_workspace, out, *judge, *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, second = (pq.read_table(o / "pairs.parquet").to_pylist() for o in (one, two))
+    assert len(first) == len(second) == 24
+    for a, b in zip(first, second):
+        assert a["response_a"] == b["response_a"] and a["response_b"] == b["response_b"]
+        assert abs(a["score_a"] - b["score_a"]) < 1e-4 and abs(a["score_b"] - b["score_b"]) < 1e-4
