@@ -227,3 +227,42 @@ def test_critique_revise_masks_each_agents_tokens(tokenizer):
     assert critic_trained == "wrong"
     assert mine.scored["score"].tolist() == [1.0, 1.0] == theirs.scored["score"].tolist()
     assert theirs.batch["group"].tolist() == [0, 0]  # the critic's baseline: per question
+
+
+class Saved:
+    """A PPORun's checkpoint bookkeeping, without workers."""
+
+    def __init__(self, steps):
+        from megatron_rlhf.algorithms.ppo import FixedKLController
+
+        self.steps, self.restored = steps, None
+        self.rollbacks, self.lr_scale, self.kl_loss_scale = 0, 1.0, 1.0
+        self.kl_ctrl = FixedKLController(0.1)
+
+    def checkpoints(self):
+        return sorted(self.steps)
+
+    def restore(self, step, keep_scales=False):
+        self.restored = (step, keep_scales)
+
+
+def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp_path, capsys):
+    from megatron_rlhf.multi_agent.driver import MultiAgentRun
+
+    cfg = _cfg(f"trainer.output_dir={tmp_path}", "trainer.rollback.max_rollbacks=1")
+    agents = {"a": Saved({2, 4, 6}), "b": Saved({2, 4})}  # killed before b saved step 6
+    run = MultiAgentRun(cfg, agents, Population(), total_steps=10, step=6)
+    assert run.checkpoints() == [2, 4]
+    run.rollback("b", "actor/pg_loss is nan")
+    assert run.step == 4
+    assert "rollback 1/1 at step 7: agent b: actor/pg_loss is nan; every agent restored to step 4" \
+        in capsys.readouterr().out
+    for agent in agents.values():
+        assert agent.restored == (4, True) and agent.rollbacks == 1
+        assert agent.lr_scale == cfg.trainer.rollback.lr_factor
+        assert agent.kl_ctrl.value == pytest.approx(0.1 * cfg.trainer.rollback.kl_coef_factor)
+    with pytest.raises(UserError, match="agent a: loss is inf; already rolled back 1 times"):
+        run.rollback("a", "loss is inf")
+    empty = MultiAgentRun(cfg, {"a": Saved(set()), "b": Saved({2})}, Population(), 10, step=3)
+    with pytest.raises(UserError, match="no checkpoint to roll back to"):
+        empty.rollback("a", "loss is nan")

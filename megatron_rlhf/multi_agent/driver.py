@@ -122,13 +122,14 @@ class MultiAgentRun:
             raise UserError(f"step {self.step + 1}: agent {name}: {reason}; already rolled back "
                             f"{first.rollbacks} times (trainer.rollback.max_rollbacks); stopped. "
                             f"Checkpoints in {self.out / 'agents'} are intact")
+        failed = self.step + 1
         for agent in self.agents.values():
             agent.rollbacks += 1
             agent.lr_scale *= rb.lr_factor
             agent.kl_ctrl.value *= rb.kl_coef_factor
             agent.kl_loss_scale *= rb.kl_coef_factor
         self.restore(saved[-1], keep_scales=True)
-        self.log(f"rollback {first.rollbacks}/{rb.max_rollbacks} at step {self.step + 1}: agent "
+        self.log(f"rollback {first.rollbacks}/{rb.max_rollbacks} at step {failed}: agent "
                  f"{name}: {reason}; every agent restored to step {saved[-1]}")
 
 
@@ -239,7 +240,7 @@ def _place(cfg, configs: dict, sizes: dict, use_gpu: bool, started: bool) -> Mul
             run.agents[agent.name] = PPORun(
                 c, group, run.judge or group, data.tokenizer, data.train, data.val, data.stop_ids,
                 rewards.fns.get("fn"), rewards.fns.get("oracle"), data.total, data.steps_per_epoch,
-                kl_controller(c), rewards=rewards)
+                kl_controller(c), rewards=rewards, label=f"agent {agent.name}")
             run.log(f"agent {agent.name}: {agent.model_path}, layout {layout} on pool {pool_name} "
                     f"({len(members)} agent(s) sharing {placed[pool_name].size} device(s))")
     run.agents = {a.name: run.agents[a.name] for a in cfg.agents}  # the config's order

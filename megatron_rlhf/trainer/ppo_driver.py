@@ -91,6 +91,8 @@ class PPORun:
     rewards: RewardScorer | None = None
     """Runs ``reward_fn`` / ``oracle_fn`` (a process pool with a per-call timeout, or in this
     process); made from them, in-process, when not given."""
+    label: str = "ppo"
+    """Log-line prefix (a multi-agent run's agents: ``agent <name>``)."""
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -107,7 +109,7 @@ class PPORun:
         return Path(self.cfg.trainer.output_dir)
 
     def log(self, message: str) -> None:
-        print(f"[ppo] {message}", flush=True)
+        print(f"[{self.label}] {message}", flush=True)
 
     # ------------------------------------------------------------------ data and rollout
     def step_indices(self, step: int) -> list[int]:
