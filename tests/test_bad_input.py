@@ -172,3 +172,22 @@ def test_a_prompt_without_a_user_message_is_named():
                     "user", "prompts.parquet: column 'prompt' row 3")
     # A response may well be the assistant's turn alone.
     assert as_messages([{"role": "assistant", "content": "4"}], "assistant", "x")[0]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("agents, message", [
+    ("[{name: a, model_path: M}, {name: a, model_path: M}]",
+     "error: config: agents[1].name='a' clashes with an earlier agent; agent names must be unique"),
+    ("[{name: a, model_path: M}, {name: b}]",
+     "error: config: missing required value for agents[1].model_path"),
+    ("[{name: a, model_path: M}, {name: b, model_path: ''}]",
+     "error: config: agents[1] (b) has no model_path"),
+])
+def test_bad_agents_are_one_line_and_nothing_is_written(tmp_path, capsys, agents, message):
+    out = tmp_path / "run"
+    code, line = _last_error(capsys, [
+        "ppo", f"agents={agents.replace('M', str(tmp_path))}", f"trainer.output_dir={out}",
+        f"data.train_files=[{tmp_path / 'p.parquet'}]", "algorithm.adv_estimator=sppo",
+        "actor.policy_loss=sppo", "actor.loss_agg_mode=seq-mean-token-mean", "reward.fn=addition",
+        "algorithm.use_kl_in_reward=false"])
+    assert code == 2 and line == message
+    assert not out.exists()

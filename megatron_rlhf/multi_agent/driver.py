@@ -183,8 +183,8 @@ def setup(cfg: PPOConfig) -> MultiAgentRun:
     from megatron_rlhf.multi_agent.config import agent_config, check_agents
     from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
 
+    check_agents(cfg)  # first: an agent list that makes no sense says so before the rest
     validate_ppo_config(cfg)
-    check_agents(cfg)
     configs = {a.name: agent_config(cfg, a, i) for i, a in enumerate(cfg.agents)}
     for name, c in configs.items():
         try:
