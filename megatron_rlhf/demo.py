@@ -10,7 +10,11 @@
    0.25 x that reward model's score, KL to the SFT policy in the reward, and the critic started
    from the reward model (the reward model alone was hacked late in some runs: see
    docs/benchmarks.md);
-6. a before/after table of held-out oracle accuracy and reward-model score, and a PNG of the curves.
+6. an A/B test of the PPO policy against its SFT start (``megatron-rlhf ab-test``) on the
+   distinct held-out questions, judged by the task's checker: the win rate with its 95% bootstrap
+   interval over questions;
+7. a before/after table of held-out oracle accuracy and reward-model score, the win rate, and a
+   PNG of the curves.
 
 Every stage is the real command-line job, run as a subprocess; the stage logs are kept.
 """
@@ -49,12 +53,13 @@ def _stage(root: Path, name: str, args: list[str]) -> float:
     return elapsed
 
 
-def _newest(run: Path) -> Path:
+def _newest(run: Path, role: str = "") -> Path:
+    """The newest complete checkpoint of ``run`` (of its ``role``'s, for PPO's actor/critic)."""
     from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
 
-    found = complete_checkpoints(run / "checkpoints")
+    found = complete_checkpoints(run / "checkpoints" / role)
     if not found:
-        raise UserError(f"no checkpoint under {run}")
+        raise UserError(f"no checkpoint under {run / 'checkpoints' / role}")
     return found[-1]
 
 
@@ -137,6 +142,30 @@ def ppo_stage(root: Path, seed: int, overrides: tuple[str, ...] = (), out: Path 
         f"trainer.output_dir={out}", f"trainer.seed={1 + seed}", f"rollout.seed={seed}", *overrides])
 
 
+# The A/B stage: every distinct held-out question (the 200 validation rows repeat 40 questions;
+# the bootstrap resamples questions, so repeats would narrow the interval), 2 samples each at the
+# PPO rollout temperature, judged by the checker (the reward model is the thing PPO could hack).
+AB_SAMPLES_PER_PROMPT, AB_TEMPERATURE, AB_MAX_NEW_TOKENS = 2, 0.3, 10
+
+
+def ab_stage(root: Path, seed: int) -> float:
+    """Stage 6: ``ab-test`` of the newest PPO actor (A) against the SFT policy (B)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(root / "data" / "prompts_val.parquet")
+    first = {}
+    for row, prompt in enumerate(table.column("prompt").to_pylist()):
+        first.setdefault(prompt, row)
+    prompts = root / "data" / "ab_prompts.parquet"
+    pq.write_table(table.take(pa.array(list(first.values()))), prompts)
+    return _stage(root, "ab-test", [
+        "ab-test", "--policy-a", str(_newest(root / "ppo", "actor")),
+        "--policy-b", str(_newest(root / "sft")), "--prompts", str(prompts), "--judge", "fn:addition",
+        "--samples-per-prompt", str(AB_SAMPLES_PER_PROMPT), "--temperature", str(AB_TEMPERATURE),
+        "--max-new-tokens", str(AB_MAX_NEW_TOKENS), "--seed", str(seed), "--out", str(root / "ab_test")])
+
+
 def summarize(root: Path, ppo_dir: Path | None = None) -> dict:
     """Before/after numbers of a finished demo folder (also read by benchmarks/demo_spread.py)."""
     curves = _curves((ppo_dir or root / "ppo") / "metrics.jsonl")
@@ -161,7 +190,11 @@ def run_demo(out_dir: str, seed: int = 0) -> int:
           flush=True)
     seconds = sft_and_rm(root, seed)
     seconds["ppo"] = ppo_stage(root, seed)
+    seconds["ab_test"] = ab_stage(root, seed)
     summary = summarize(root)
+    ab = json.loads((root / "ab_test" / "summary.json").read_text())
+    summary["ab_test"] = {key: ab[key] for key in ("win_rate", "win", "tie", "loss", "num_prompts",
+                                                   "samples_per_prompt", "judge", "level")}
     curves = summary.pop("curves")
     _plot(curves, root / "ppo_curves.png")
     _report(summary)
@@ -183,3 +216,9 @@ def _report(summary: dict) -> None:
     print(f"  change: {100 * gain:+.1f} points of accuracy; reward model pairwise accuracy "
           f"{summary['rm_val_accuracy'] or float('nan'):.3f}")
     print(f"  {EXPECTED}")
+    ab, rate = summary["ab_test"], summary["ab_test"]["win_rate"]
+    print(f"\n[demo] A/B test, PPO vs SFT ({ab['num_prompts']} held-out questions x "
+          f"{ab['samples_per_prompt']} samples, judge {ab['judge']}, ties count half)")
+    print(f"  PPO win rate vs SFT: {rate['estimate']:.3f} ({100 * ab['level']:.0f}% bootstrap interval "
+          f"[{rate['low']:.3f}, {rate['high']:.3f}]); win / tie / loss "
+          f"{ab['win']:.3f} / {ab['tie']:.3f} / {ab['loss']:.3f}")

@@ -11,7 +11,8 @@ from megatron_rlhf.cli import main
 
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path):
-    """SFT -> reward model -> PPO -> before/after table and plot, on 2 CPU cores."""
+    """SFT -> reward model -> PPO -> A/B test of PPO vs SFT -> before/after table and plot, on
+    2 CPU cores."""
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", "demo", "--out-dir", str(out)],
                           capture_output=True, text=True, timeout=1500)
@@ -25,6 +26,16 @@ def test_demo_runs_end_to_end(tmp_path):
     # not one run: benchmarks/demo_spread.py over 3 seeds x OMP 1/2 threads (which stand in for
     # other CPUs' rounding): the worst of 6 runs gained +32.5 points, the median +42.5 (docs/benchmarks.md).
     assert summary["ppo_oracle_acc"] - summary["sft_oracle_acc"] >= 0.20
+    # The closing A/B test (megatron-rlhf ab-test, PPO vs SFT): its win rate and bootstrap
+    # interval, printed and well-formed. No bar on the win rate itself: its spread is unmeasured.
+    ab = json.loads((out / "ab_test" / "summary.json").read_text())
+    rate = summary["ab_test"]["win_rate"]
+    assert rate == ab["win_rate"] and ab["judge"] == "fn:addition"
+    assert ab["num_prompts"] == 40 and ab["samples_per_prompt"] == 2  # distinct held-out questions
+    assert 0.0 <= rate["low"] <= rate["estimate"] <= rate["high"] <= 1.0
+    line = (f"PPO win rate vs SFT: {rate['estimate']:.3f} (95% bootstrap interval "
+            f"[{rate['low']:.3f}, {rate['high']:.3f}])")
+    assert line in proc.stdout
 
 
 def test_demo_never_deletes_foreign_folders(tmp_path, capsys):
