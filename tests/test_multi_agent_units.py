@@ -120,8 +120,8 @@ class Scripted:
         for index, prompt in enumerate(ids):
             text = self.tokenizer.decode(prompt, skip_special_tokens=True)
             self.seen.append(text)
-            for k in range(params.n):
-                tokens = self.tokenizer(self.reply(text, k), add_special_tokens=False)["input_ids"]
+            for _ in range(params.n):  # the reply's k: this call's sample count so far
+                tokens = self.tokenizer(self.reply(text, len(out)), add_special_tokens=False)["input_ids"]
                 out.append(Generation(index, tokens, [-0.5] * len(tokens), True))
         return out
 
@@ -157,18 +157,20 @@ def test_population_shares_one_table_and_scores_against_everyone(tokenizer):
     prompts = [_prompt(tokenizer, f"What is {a} + 1?", str(a + 1)) for a in range(3)]
     # a is always right, b right on its first sample only: a beats b, b's first ties a.
     a = Scripted(tokenizer, lambda t, k: f"The answer is {int(t.split()[2]) + 1}.", _right, prompts)
-    b = Scripted(tokenizer, lambda t, k: f"The answer is {int(t.split()[2]) + 1 + k}.", _right, prompts)
+    b = Scripted(tokenizer, lambda t, k: f"The answer is {int(t.split()[2]) + 1 + k % 2}.", _right,
+                 prompts)
     cfg = _cfg()
     episodes, metrics = Population().play(Run(cfg, {"a": a, "b": b}), 0, Timer())
-    table = episodes["a"].batch["preferences"]
-    assert table is episodes["b"].batch["preferences"]  # one table, computed once
+    table = episodes["a"].population["preferences"]
+    assert table is episodes["b"].population["preferences"]  # one table, computed once
+    assert "preferences" not in episodes["a"].batch  # it travels with the update alone
     assert torch.equal(table, 1.0 - table.T)
     scores = torch.cat([episodes[n].scored["score"] for n in "ab"])
     assert torch.equal(table, pairwise_preferences(scores, "rule"))
-    rates = win_rates(table, episodes["a"].batch["population_group"])
+    rates = win_rates(table, episodes["a"].population["population_group"])
     for name, rows in (("a", range(0, 6)), ("b", range(6, 12))):
         ep = episodes[name]
-        assert ep.batch["population_rows"].tolist() == list(rows)
+        assert ep.population["population_rows"].tolist() == list(rows)
         per_sample = (ep.advantages * ep.batch["loss_mask"]).sum(1) / ep.batch["loss_mask"].sum(1)
         assert torch.allclose(per_sample, rates[list(rows)] - 0.5)
     # By hand: each of a's samples meets a's other (tie), b's right one (tie) and b's wrong one
@@ -186,7 +188,7 @@ def test_proposer_solver_feeds_valid_tasks_and_rewards_learnability(tokenizer):
     proposer = Scripted(tokenizer, lambda t, k: proposals[k])
     # The solver gets 2+3 always right, 4+4 right once in two, 5+1 never.
     answers = {"2 + 3": ["5", "5"], "4 + 4": ["8", "7"], "5 + 1": ["0", "0"]}
-    solver = Scripted(tokenizer, lambda t, k: f"The answer is {answers[t.split('is ')[1][:5]][k]}.",
+    solver = Scripted(tokenizer, lambda t, k: f"The answer is {answers[t.split('is ')[1][:5]][k % 2]}.",
                       _right)
     solver.val = [_prompt(tokenizer, "What is 9 + 9?", "18")]  # held out: never a task
     mode = ProposerSolver(cfg, ["p", "s"])
@@ -200,7 +202,8 @@ def test_proposer_solver_feeds_valid_tasks_and_rewards_learnability(tokenizer):
     assert truths == ["5", "8", "6", "5", "8", "6"]
     # learnability per proposal: 2+3 solved at 1 -> 0; invalid -> 0; 4+4 at 1/2 -> 1; 5+1 at 0 -> 0
     assert episodes["p"].scored["score"].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
-    assert episodes["p"].batch["input_ids"].shape[0] == 6 and len(proposer.seen) == 1
+    assert episodes["p"].batch["input_ids"].shape[0] == 6 and len(proposer.seen) == 6
+    assert episodes["p"].batch["group"].tolist() == [0] * 6  # one instruction, one baseline
 
 
 def test_critique_revise_masks_each_agents_tokens(tokenizer):
@@ -266,3 +269,28 @@ def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp
     empty = MultiAgentRun(cfg, {"a": Saved(set()), "b": Saved({2})}, Population(), 10, step=3)
     with pytest.raises(UserError, match="no checkpoint to roll back to"):
         empty.rollback("a", "loss is nan")
+
+
+def test_the_workers_targets_come_from_the_table_row_by_row():
+    """What every rank trains on: ``population_advantages`` turns the shared table into this
+    agent's samples' targets (win rate against all samples of the prompt, minus 1/2)."""
+    import hashlib
+
+    from megatron_rlhf.trainer.ppo_worker import population_advantages
+
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(12, generator=gen)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2] * 2)  # two agents x 3 prompts x 2 samples
+    table = pairwise_preferences(scores, "bradley_terry")
+    mask = torch.ones(6, 5)
+    batch = {"loss_mask": mask, "preferences": table, "population_group": groups,
+             "population_rows": torch.arange(6, 12)}
+    digest = population_advantages(batch)
+    assert digest == hashlib.sha256(table.numpy().tobytes()).hexdigest()
+    assert not {"preferences", "population_group", "population_rows"} & set(batch)
+    for row in range(6):
+        i = 6 + row
+        others = [j for j in range(12) if j != i and groups[j] == groups[i]]
+        expected = sum(float(table[i, j]) for j in others) / len(others) - 0.5
+        assert torch.allclose(batch["advantages"][row], torch.full((5,), expected), atol=1e-6)
+    assert torch.equal(batch["returns"], batch["advantages"])

@@ -34,9 +34,12 @@ def load_config(schema: type[T], yaml_path: str | None, overrides: list[str]) ->
         merged = OmegaConf.merge(merged, _as_lists(merged, OmegaConf.from_dotlist(plain)))
         for item in indexed:
             key, value = item.split("=", 1)
-            if OmegaConf.select(merged, key.rsplit(".", 1)[0]) is None:
+            parts = key.split(".")
+            last = max(i for i, part in enumerate(parts) if part.isdigit())
+            if OmegaConf.select(merged, ".".join(parts[:last + 1])) is None:
                 raise UserError(f"config: {key}: no such list item (override {item!r})")
-            OmegaConf.update(merged, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=True)
+            parsed = OmegaConf.from_dotlist([f"value={value}"])
+            OmegaConf.update(merged, key, parsed.value, merge=True)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise UserError(f"config: missing required value for {missing[0]}")

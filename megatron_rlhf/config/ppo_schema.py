@@ -9,7 +9,7 @@ prompt one step holds ``train_batch_size * n`` samples. Mini- and micro-batch si
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_rlhf.config.schema import MoEConfig, OptimConfig, ParallelConfig, TrainerConfig
 
@@ -303,10 +303,10 @@ class AgentConfig:
     """Unique; names the agent's checkpoints (``agents/<name>/``) and metrics (``agent/<name>/``)."""
     model_path: str = "???"
     """Where this agent starts (HF folder or megatron_rlhf checkpoint); also its reference."""
-    optim: Optional[OptimConfig] = None
-    """Default ``actor.optim``."""
-    parallel: Optional[ParallelConfig] = None
-    """Default ``actor.parallel``; resolved over ``world_size`` ranks."""
+    optim: dict[str, Any] = field(default_factory=dict)
+    """Fields of ``actor.optim`` this agent changes (``{lr: 1e-5}``); the rest are ``actor.optim``'s."""
+    parallel: dict[str, Any] = field(default_factory=dict)
+    """Fields of ``actor.parallel`` this agent changes; resolved over ``world_size`` ranks."""
     world_size: int = 1
     """Worker ranks (one per GPU) of this agent's group."""
     resource_pool: str = "shared"

@@ -56,6 +56,10 @@ def _check_mode(cfg: PPOConfig) -> None:
         if alg.adv_estimator != "sppo":
             raise UserError("config: multi_agent.mode=population trains every agent with SPPO against "
                             "the population: set algorithm.adv_estimator=sppo and actor.policy_loss=sppo")
+        if alg.sppo_target != "win_rate":
+            raise UserError(f"config: multi_agent.mode=population regresses onto win rates against "
+                            f"the population; algorithm.sppo_target={alg.sppo_target} is for one "
+                            "policy")
         if alg.use_kl_in_reward:
             raise UserError("config: multi_agent.mode=population regresses onto win rates; "
                             "algorithm.use_kl_in_reward has no score to enter (use actor.use_kl_loss)")
@@ -82,10 +86,8 @@ def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
     out = copy.deepcopy(cfg)
     out.agents = []
     out.actor.model_path = agent.model_path
-    if agent.optim is not None:
-        out.actor.optim = copy.deepcopy(agent.optim)
-    if agent.parallel is not None:
-        out.actor.parallel = copy.deepcopy(agent.parallel)
+    out.actor.optim = _override(cfg.actor.optim, agent.optim, f"agents[{index}].optim")
+    out.actor.parallel = _override(cfg.actor.parallel, agent.parallel, f"agents[{index}].parallel")
     if agent.temperature is not None:
         out.rollout.temperature = agent.temperature
     # Agents started from the same weights would otherwise draw identical samples.
@@ -93,6 +95,17 @@ def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
     out.trainer.output_dir = str(agent_dir(cfg, agent.name))
     out.trainer.n_gpus_per_node, out.trainer.nnodes = agent.world_size, 1
     return out
+
+
+def _override(section, changes: dict, where: str):
+    """``section`` (a config dataclass) with the fields in ``changes`` replaced, type-checked."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(section), changes))
+    except OmegaConfBaseException as err:
+        raise UserError(f"config: {where}: {str(err).splitlines()[0]}") from None
 
 
 def agent_dir(cfg: PPOConfig, name: str) -> Path:

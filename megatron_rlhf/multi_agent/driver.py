@@ -46,9 +46,9 @@ class MultiAgentRun:
         print(f"[multi-agent] {message}", flush=True)
 
     # ------------------------------------------------------------------ one step
-    def update(self, name: str, episode, step: int, timer) -> tuple[dict, list[str]]:
+    def update(self, name: str, episode, step: int, timer) -> tuple[dict, list[str], dict]:
         """Experience, advantages and the update of one agent: (its metrics, the preference
-        table digests its ranks reported)."""
+        table digests its ranks reported, its advantages)."""
         agent, batch = self.agents[name], episode.batch
         with timer(f"old_log_prob/{name}"):
             metrics = agent.log_probs(batch, episode.gens)
@@ -60,11 +60,12 @@ class MultiAgentRun:
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
         agent.leave_out_untrained(episode.gens, batch)
         with timer(f"update/{name}"):
-            ranks = agent.actor.call("update_actor", batch, step, agent.kl_loss_coef)
+            ranks = agent.actor.call("update_actor", {**batch, **episode.population}, step,
+                                     agent.kl_loss_coef)
         digests = [r.pop("population/table_sha256") for r in ranks if "population/table_sha256" in r]
-        metrics |= ranks[0] | agent.advance_kl(adv, batch) | episode.metrics
+        metrics |= ranks[0] | episode.metrics
         metrics |= summarize_rollout(episode.gens, episode.scored, batch, adv)
-        return metrics, digests
+        return metrics, digests, adv
 
     def validate(self, step: int) -> dict[str, float]:
         out = {}
@@ -89,6 +90,7 @@ class MultiAgentRun:
         """Every agent saves, then the old steps go: a kill between two agents' saves leaves
         the previous common step intact (the lone newer one goes at the next save)."""
         for agent in self.agents.values():
+            agent.step = self.step  # the step in each agent's trainer_state.json
             agent.actor.call("save", str(agent.ckpt_root), self.step, agent.state())
         keep = set(self.checkpoints()[-self.cfg.trainer.keep_last_n:])
         for agent in self.agents.values():
@@ -141,9 +143,9 @@ def fit(run: MultiAgentRun) -> dict[str, float]:
         with timer("play"):
             episodes, metrics = run.mode.play(run, run.step, timer)
         metrics |= next(iter(run.agents.values())).reward_metrics()  # the scorer is shared
-        digests, bad = [], None
+        digests, bad, advantages = [], None, {}
         for name, episode in episodes.items():
-            mine, seen = run.update(name, episode, run.step, timer)
+            mine, seen, advantages[name] = run.update(name, episode, run.step, timer)
             digests += seen
             metrics |= {f"agent/{name}/{k}": v for k, v in mine.items()}
             reason = run.agents[name].guard_reason(mine)
@@ -157,8 +159,10 @@ def fit(run: MultiAgentRun) -> dict[str, float]:
             run.rollback(*bad)
             continue
         with timer("sync"):
-            for name in episodes:
+            for name, episode in episodes.items():
                 run.agents[name].actor.call("sync_weights")
+                kl = run.agents[name].advance_kl(advantages[name], episode.batch)  # accepted steps only
+                metrics |= {f"agent/{name}/{k}": v for k, v in kl.items()}
         run.step += 1
         metrics |= dict(timer)
         metrics["step"] = run.step
@@ -197,18 +201,19 @@ def setup(cfg: PPOConfig) -> MultiAgentRun:
     sizes = {pool: max(a.world_size for a in members) for pool, members in pools(cfg).items()}
     judge = cfg.multi_agent.judge_world_size if cfg.reward.model_path else 0
     started = start_ray(cfg.ray, sum(sizes.values()) + judge, use_gpu)
-    run = None
+    run = MultiAgentRun(cfg, {}, None, 0, ray_started=started)
     try:
-        run = _place(cfg, configs, sizes, use_gpu, started)
+        _place(run, configs, sizes, use_gpu)
         return run
     except BaseException:
-        if run is not None:
-            shutdown(run)
+        shutdown(run)  # whatever was placed: reward pool, judge, agent groups, pools
         stop_ray(started)
         raise
 
 
-def _place(cfg, configs: dict, sizes: dict, use_gpu: bool, started: bool) -> MultiAgentRun:
+def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> None:
+    """Every agent checked first (model, vocabulary, layout), then the judge and the agents'
+    groups placed on their pools."""
     from megatron_rlhf.multi_agent.config import pools
     from megatron_rlhf.multi_agent.modes import make_mode
     from megatron_rlhf.orchestration.worker_group import ResourcePool, WorkerGroup
@@ -216,14 +221,15 @@ def _place(cfg, configs: dict, sizes: dict, use_gpu: bool, started: bool) -> Mul
     from megatron_rlhf.trainer.ppo_driver import PPORun, kl_controller
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
-    rewards = _reward_scorer(cfg)
+    cfg = run.cfg
+    run.rewards = _reward_scorer(cfg)
     first = configs[cfg.agents[0].name]
-    data = setup_data(first, rewards)
-    placed = {name: ResourcePool(name, size, use_gpu) for name, size in sizes.items()}
-    run = MultiAgentRun(cfg, {}, make_mode(cfg, list(configs)), data.total, pools=list(placed.values()),
-                        rewards=rewards, ray_started=started)
-    rewards.start()
-    threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // sum(sizes.values()))
+    data = setup_data(first, run.rewards)
+    run.mode, run.total_steps = make_mode(cfg, list(configs)), data.total
+    layouts = {a.name: _check_agent(configs[a.name], a, data, run.mode) for a in cfg.agents}
+    run.rewards.start()
+    ranks = sum(sizes.values()) + (cfg.multi_agent.judge_world_size if cfg.reward.model_path else 0)
+    threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // ranks)
     if cfg.reward.model_path:
         from megatron_rlhf.config.parallel import layout_of
 
@@ -233,28 +239,35 @@ def _place(cfg, configs: dict, sizes: dict, use_gpu: bool, started: bool) -> Mul
         run.judge.build(PPOWorker, first, ("critic",), layout_of(par).resolve(size, data.arch.shape),
                         {"actor": 0, "critic": 0})
     for pool_name, members in pools(cfg).items():
+        pool = ResourcePool(pool_name, sizes[pool_name], use_gpu)
+        run.pools.append(pool)
         for agent in members:
             c = configs[agent.name]
-            group, layout = _agent_group(c, agent, placed[pool_name], len(members), use_gpu,
-                                         threads, data, run.mode)
+            group = WorkerGroup(f"agent-{agent.name}", agent.world_size, use_gpu, threads,
+                                pool=pool, share=len(members))
             run.agents[agent.name] = PPORun(
                 c, group, run.judge or group, data.tokenizer, data.train, data.val, data.stop_ids,
-                rewards.fns.get("fn"), rewards.fns.get("oracle"), data.total, data.steps_per_epoch,
-                kl_controller(c), rewards=rewards, label=f"agent {agent.name}")
-            run.log(f"agent {agent.name}: {agent.model_path}, layout {layout} on pool {pool_name} "
-                    f"({len(members)} agent(s) sharing {placed[pool_name].size} device(s))")
+                run.rewards.fns.get("fn"), run.rewards.fns.get("oracle"), data.total,
+                data.steps_per_epoch, kl_controller(c), rewards=run.rewards,
+                label=f"agent {agent.name}")
+            group.build(PPOWorker, c, ("actor",), layouts[agent.name],
+                        _updates(c, agent.name, run.mode, data.total))
+            if len(members) > 1:  # the next agent's engine starts on the same device
+                group.call("release_rollout")
+            run.log(f"agent {agent.name}: {agent.model_path}, layout {layouts[agent.name]} on pool "
+                    f"{pool_name} ({len(members)} agent(s) sharing {pool.size} device(s))")
     run.agents = {a.name: run.agents[a.name] for a in cfg.agents}  # the config's order
     run.log(f"mode {cfg.multi_agent.mode}; {data.total} steps of {cfg.data.train_batch_size} "
             f"prompts; prompts: {data.report}")
-    return run
 
 
-def _agent_group(c: PPOConfig, agent, pool, share: int, use_gpu: bool, threads: int, data, mode):
-    """One agent's worker group, built on its pool: (group, layout)."""
+def _check_agent(c: PPOConfig, agent, data, mode):
+    """One agent's model, vocabulary, layout and batch arithmetic, before anything is placed;
+    returns its layout."""
+    from megatron_rlhf.config.loader import batch_plan
     from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
     from megatron_rlhf.config.ppo_checks import check_layout
-    from megatron_rlhf.orchestration.worker_group import WorkerGroup
-    from megatron_rlhf.trainer.ppo_worker import PPOWorker, policy_files
+    from megatron_rlhf.trainer.ppo_worker import policy_files
 
     arch, hf_dir = policy_files(agent.model_path)
     _same_vocabulary(data.tokenizer, hf_dir, agent.name)
@@ -262,15 +275,18 @@ def _agent_group(c: PPOConfig, agent, pool, share: int, use_gpu: bool, threads: 
     layout = layout_of(c.actor.parallel).resolve(agent.world_size, arch.shape)
     try:
         check_layout(c, agent.world_size, layout.dp)
+        # What the update's plan divides: the step's samples when fewer than a mini-batch.
+        batch_plan(min(c.actor.ppo_mini_batch_size, _samples_per_step(c, agent.name, mode)),
+                   c.actor.ppo_micro_batch_size_per_rank, layout.dp)
     except UserError as err:
         raise UserError(f"agent {agent.name}: {err}") from None
-    samples = _samples_per_step(c, agent.name, mode)
-    per_epoch = max(1, samples // c.actor.ppo_mini_batch_size)
-    updates = {"actor": data.total * c.actor.ppo_epochs * per_epoch, "critic": 0}
-    group = WorkerGroup(f"agent-{agent.name}", agent.world_size, use_gpu, threads, pool=pool,
-                        share=share)
-    group.build(PPOWorker, c, ("actor",), layout, updates)
-    return group, layout
+    return layout
+
+
+def _updates(c: PPOConfig, name: str, mode, total: int) -> dict[str, int]:
+    """The agent's LR-schedule length: optimizer steps per pass (a partial mini-batch is one)."""
+    per_epoch = -(-_samples_per_step(c, name, mode) // c.actor.ppo_mini_batch_size)
+    return {"actor": total * c.actor.ppo_epochs * per_epoch, "critic": 0}
 
 
 def _samples_per_step(c: PPOConfig, name: str, mode) -> int:
@@ -299,6 +315,11 @@ def start(run: MultiAgentRun) -> None:
     out, t = run.out, run.cfg.trainer
     out.mkdir(parents=True, exist_ok=True)
     saved = run.checkpoints()
+    alone = {name: a.checkpoints() for name, a in run.agents.items() if a.checkpoints()}
+    if t.resume == "auto" and alone and not saved:
+        raise UserError(f"{out}: agents {', '.join(sorted(alone))} have checkpoints but no step is "
+                        "common to every agent (was the agent list changed?); resuming would "
+                        "start over and prune them. Choose another trainer.output_dir")
     if t.resume == "disable" and (saved or (out / "metrics.jsonl").is_file()):
         raise UserError(f"{out} already holds a run; with trainer.resume=disable choose an empty "
                         "trainer.output_dir")
@@ -315,6 +336,7 @@ def start(run: MultiAgentRun) -> None:
 
 
 def shutdown(run: MultiAgentRun) -> None:
+    """Close whatever exists (a failed set-up leaves part of it)."""
     if run.rewards is not None:
         run.rewards.close()
     if run.logger is not None:

@@ -34,6 +34,9 @@ class Episode:
     scored: dict
     advantages: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    population: dict = field(default_factory=dict)
+    """population: ``preferences [M, M]``, ``population_group [M]``, ``population_rows [N]``,
+    sent with the update only (the workers derive the targets from them)."""
 
 
 class PlayMode(Protocol):
@@ -75,7 +78,8 @@ class Population:
             episode = episodes[name]
             rows = torch.arange(offset, offset + len(episode.gens))
             offset += len(episode.gens)
-            episode.batch.update(preferences=table, population_group=groups, population_rows=rows)
+            episode.population = {"preferences": table, "population_group": groups,
+                                  "population_rows": rows}
             episode.advantages = (rates[rows] - 0.5)[:, None] * episode.batch["loss_mask"]
             episode.metrics["population/win_rate"] = float(rates[rows].mean())
         matrix = agent_win_matrix(table, groups, owners, len(names))
@@ -115,8 +119,9 @@ class ProposerSolver:
         proposer, solver = run.agents[self.proposer], run.agents[self.solver]
         count = run.cfg.data.train_batch_size
         ask = _user_prompt(proposer.tokenizer, run.cfg.multi_agent.proposer_prompt)
-        with timer(f"gen/{self.proposer}"):
-            proposals = proposer.generate([ask], dataclasses.replace(proposer.sampling(step), n=count))
+        with timer(f"gen/{self.proposer}"):  # count copies, not n=count: every replica writes some
+            proposals = proposer.generate([ask] * count, dataclasses.replace(proposer.sampling(step), n=1))
+        proposals = sorted(proposals, key=lambda g: g.prompt_index)
         texts = [proposer.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in proposals]
         # A held-out question is no task: the solver's held-out solve rate must stay held out.
         held_out = {p.text for p in solver.val}
@@ -145,8 +150,9 @@ class ProposerSolver:
         is_valid = torch.zeros(count, dtype=torch.bool)
         is_valid[valid] = True
         score = learnability(rates, is_valid)
-        batch = build_batch([ask.ids], proposals, proposer.pad_id)
-        episodes[self.proposer] = Episode([ask], proposals, batch,
+        batch = build_batch([ask.ids] * count, proposals, proposer.pad_id)
+        batch["group"] = torch.zeros(count, dtype=torch.long)  # one instruction: one group
+        episodes[self.proposer] = Episode([ask] * count, proposals, batch,
                                           {"score": score, "rm": None, "turns": None})
         metrics["proposer/learnability_mean"] = float(score.mean())
         if valid:
@@ -192,13 +198,19 @@ class CritiqueRevise:
                 a.logprobs + [0.0] * between + f.logprobs, f.finished,
                 mask=[1] * len(a.tokens) + [0] * between + [1] * len(f.tokens)))
         with timer(f"reward/{self.answerer}"):
-            mine = _episode(answerer, prompts, joined)  # scores the final answer (last turn)
+            # The final answer alone, after the question, is what is scored (a reward model
+            # never sees the critique; a length penalty counts the final turn).
+            final = [Generation(a.prompt_index, f.tokens, f.logprobs, f.finished)
+                     for a, f in zip(answers, finals)]
+            scored = _episode(answerer, prompts, final).scored
+        batch = build_batch([p.ids for p in prompts], joined, answerer.pad_id)
+        mine = Episode(prompts, joined, batch, scored)
         critic_prompts = [Prompt(tuple(s), prompts[a.prompt_index].ground_truth,
                                  prompts[a.prompt_index].text) for s, a in zip(seen, answers)]
         critic_gens = [Generation(row, c.tokens, c.logprobs, c.finished) for row, c in enumerate(critiques)]
-        batch = build_batch([p.ids for p in critic_prompts], critic_gens, critic.pad_id)
-        batch["group"] = torch.tensor([a.prompt_index for a in answers])  # baselines per question
-        theirs = Episode(critic_prompts, critic_gens, batch, dict(mine.scored))
+        critic_batch = build_batch([p.ids for p in critic_prompts], critic_gens, critic.pad_id)
+        critic_batch["group"] = torch.tensor([a.prompt_index for a in answers])  # per question
+        theirs = Episode(critic_prompts, critic_gens, critic_batch, dict(scored))
         metrics = {}
         if mine.scored.get("oracle") is not None:
             first = _episode(answerer, prompts, answers).scored
