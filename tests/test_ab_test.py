@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -72,9 +73,12 @@ def test_samples_do_not_depend_on_the_number_of_processes(ab_workspace, tmp_path
     (("--policy-a", "{rm}"), "--policy-a: {rm} is a reward-model (value) checkpoint, not a policy"),
     (("--judge", "fn:nope"), "--judge fn='nope' is not a built-in reward"),
     (("--judge", "rm:{base}"), "is a policy (causal LM), not a reward model"),
+    (("--prompts", "{noprompt}"), "{noprompt}: missing column 'prompt' (has question)"),
 ])
 def test_bad_input_is_one_line(ab_workspace, tmp_path, change, message):
-    names = {"rm": ab_workspace / "rm", "base": ab_workspace / "base"}
+    names = {"rm": ab_workspace / "rm", "base": ab_workspace / "base",
+             "noprompt": tmp_path / "questions.parquet"}
+    pq.write_table(pa.table({"question": ["What is 1 + 1?"]}), names["noprompt"])
     flag, value = change[0], change[1].format(**names)
     out = tmp_path / "ab"
     args = ["--judge", "fn:addition"] if flag != "--judge" else []

@@ -191,3 +191,10 @@ def test_bad_agents_are_one_line_and_nothing_is_written(tmp_path, capsys, agents
         "algorithm.use_kl_in_reward=false"])
     assert code == 2 and line == message
     assert not out.exists()
+
+
+def test_prompts_without_the_prompt_column_are_named(tmp_path):
+    path = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"question": ["What is 1 + 1?"], "ground_truth": ["2"]}), path)
+    with pytest.raises(UserError, match=f"{path}: missing column 'prompt' \\(has question, ground_truth\\)"):
+        load_prompts([str(path)], None, "prompt", "ground_truth", 32, "drop", False)

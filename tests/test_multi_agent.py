@@ -5,6 +5,7 @@ saves, per-agent TensorBoard scalars and the win-rate matrix; the other play mod
 
 import hashlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,17 @@ def workspace(tmp_path_factory):
                          pad_token_id=tokenizer.pad_token_id)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(ws / "rm")
     tokenizer.save_pretrained(ws / "rm")
+    # Another policy on the same vocabulary (the base, perturbed): a reference of one's own.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(ws / "base")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    other.save_pretrained(ws / "other")
+    tokenizer.save_pretrained(ws / "other")
     return ws
 
 
@@ -155,3 +167,33 @@ def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
             r["proposer/valid_fraction"] > 0 for r in every]
     else:
         assert all("agent/b/actor/pg_loss" in r and "critique/final_answer_acc" in r for r in steps)
+
+
+def test_an_agent_at_pp2_blows_up_and_every_agent_rolls_back(workspace, tmp_path):
+    """SPPO over two pipeline stages (agent b, PP=2) next to agent a (one rank) whose reference
+    is another policy: a's KL to it is large from the first step, b's (its own start) is not.
+    Then b's learning rate of 1e30 blows its weights up at step 2: every agent goes back to
+    step 1 with the lowered rate, and the run finishes with finite losses."""
+    out = tmp_path / "rb"
+    common = ("agents.1.world_size=2", "agents.1.parallel.pp=2",
+              f"agents.0.reference_path={workspace / 'other'}", "actor.use_kl_loss=true",
+              "actor.kl_loss_coef=0.01", "actor.ppo_mini_batch_size=8",
+              "actor.ppo_micro_batch_size_per_rank=8", "trainer.save_every_steps=1",
+              "trainer.val_before_train=false")
+    done = ppo(overrides(workspace, out, *common, "trainer.max_steps=1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first = rows(out)[0]
+    assert first["agent/a/actor/kl"] > 10 * first["agent/b/actor/kl"]
+    blowup = ("agents.1.optim.lr=1e30", "agents.1.optim.min_lr=1e30",
+              "trainer.rollback.lr_factor=1e-33", "trainer.rollback.max_rollbacks=1",
+              "trainer.max_steps=3")
+    done = ppo(overrides(workspace, out, *common, *blowup))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rollback 1/1 at step 2: agent b" in done.stdout
+    assert "every agent restored to step 1" in done.stdout
+    trained = [r for r in rows(out) if "agent/b/actor/pg_loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    for r in trained:
+        for key in ("agent/a/actor/pg_loss", "agent/b/actor/pg_loss", "agent/b/actor/grad_norm"):
+            assert math.isfinite(r[key]), (r["step"], key)
+    assert trained[-1]["agent/b/actor/lr"] == pytest.approx(1e-3)

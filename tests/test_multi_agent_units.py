@@ -85,6 +85,10 @@ def test_agent_configs_and_pools():
     assert b.trainer.output_dir == "/tmp/run/agents/b" and b.rollout.seed != cfg.rollout.seed
     assert agent_config(cfg, cfg.agents[2], 2).rollout.temperature == 0.3
     assert agent_config(cfg, cfg.agents[0], 0).actor.optim.lr == cfg.actor.optim.lr
+    assert agent_config(cfg, cfg.agents[0], 0).actor.ref_model_path is None  # its own start
+    cfg.agents[0].reference_path, cfg.actor.ref_model_path = "r0", "shared_ref"
+    assert agent_config(cfg, cfg.agents[0], 0).actor.ref_model_path == "r0"
+    assert agent_config(cfg, cfg.agents[1], 1).actor.ref_model_path == "shared_ref"
     assert {k: [a.name for a in v] for k, v in pools(cfg).items()} == {"shared": ["a", "c"],
                                                                        "agent-b": ["b"]}
 

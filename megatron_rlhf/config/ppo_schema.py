@@ -132,6 +132,8 @@ class ActorConfig:
     model_path: str = ""
     """Policy to start from: HF ``*ForCausalLM`` folder or a megatron_rlhf checkpoint (e.g. SFT's).
     The reference model is the same weights, frozen. Required unless ``agents`` is set."""
+    ref_model_path: Optional[str] = None
+    """The frozen reference (KL terms): default ``model_path``, the policy's own start."""
     dtype: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -302,7 +304,10 @@ class AgentConfig:
     name: str = "???"
     """Unique; names the agent's checkpoints (``agents/<name>/``) and metrics (``agent/<name>/``)."""
     model_path: str = "???"
-    """Where this agent starts (HF folder or megatron_rlhf checkpoint); also its reference."""
+    """Where this agent starts (HF folder or megatron_rlhf checkpoint)."""
+    reference_path: Optional[str] = None
+    """This agent's frozen reference: default ``actor.ref_model_path``, else its own start
+    (give every agent the same path to share one reference policy)."""
     optim: dict[str, Any] = field(default_factory=dict)
     """Fields of ``actor.optim`` this agent changes (``{lr: 1e-5}``); the rest are ``actor.optim``'s."""
     parallel: dict[str, Any] = field(default_factory=dict)

@@ -86,6 +86,7 @@ def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
     out = copy.deepcopy(cfg)
     out.agents = []
     out.actor.model_path = agent.model_path
+    out.actor.ref_model_path = agent.reference_path or cfg.actor.ref_model_path
     out.actor.optim = _override(cfg.actor.optim, agent.optim, f"agents[{index}].optim")
     out.actor.parallel = _override(cfg.actor.parallel, agent.parallel, f"agents[{index}].parallel")
     if agent.temperature is not None:

@@ -270,7 +270,10 @@ def _check_agent(c: PPOConfig, agent, data, mode):
     from megatron_rlhf.trainer.ppo_worker import policy_files
 
     arch, hf_dir = policy_files(agent.model_path)
-    _same_vocabulary(data.tokenizer, hf_dir, agent.name)
+    _same_vocabulary(data.tokenizer, hf_dir, f"agent {agent.name}")
+    if c.actor.ref_model_path:
+        _same_vocabulary(data.tokenizer, policy_files(c.actor.ref_model_path)[1],
+                         f"agent {agent.name}'s reference")
     check_parallel_for_model(f"agents.{agent.name}.parallel", c.actor.parallel, arch)
     layout = layout_of(c.actor.parallel).resolve(agent.world_size, arch.shape)
     try:
@@ -296,13 +299,13 @@ def _samples_per_step(c: PPOConfig, name: str, mode) -> int:
     return c.data.train_batch_size * c.rollout.n
 
 
-def _same_vocabulary(tokenizer, hf_dir, name: str) -> None:
+def _same_vocabulary(tokenizer, hf_dir, what: str) -> None:
     """Agents pass token ids to each other and to one reward model: one vocabulary for all."""
     from transformers import AutoTokenizer
 
     theirs = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     if theirs.get_vocab() != tokenizer.get_vocab():
-        raise UserError(f"agent {name}: its tokenizer ({hf_dir}) differs from the first agent's; "
+        raise UserError(f"{what}: its tokenizer ({hf_dir}) differs from the first agent's; "
                         "agents exchange token ids and share a reward model, so they need one "
                         "vocabulary")
 

@@ -126,7 +126,13 @@ class PPOWorker:
                                                                  self.dtype, options)
         self.ref = None
         if uses_reference(cfg):
-            self.ref = load_policy(cfg.actor.model_path, self.groups, self.dtype, options)[0].eval()
+            path = cfg.actor.ref_model_path or cfg.actor.model_path
+            self.ref, _, _, padded = load_policy(path, self.groups, self.dtype, options)
+            if padded != self.padded:
+                raise UserError(f"actor.ref_model_path: {path} has a vocabulary of {padded} (padded) "
+                                f"tokens, the policy {self.padded}; a reference must share the "
+                                "policy's tokenizer")
+            self.ref.eval()
             for p in self.ref.parameters():
                 p.requires_grad_(False)
         self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates,
