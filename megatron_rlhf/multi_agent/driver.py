@@ -217,12 +217,12 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
     from megatron_rlhf.multi_agent.config import pools
     from megatron_rlhf.multi_agent.modes import make_mode
     from megatron_rlhf.orchestration.worker_group import ResourcePool, WorkerGroup
-    from megatron_rlhf.trainer.main_ppo import _reward_scorer, setup_data
+    from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
     from megatron_rlhf.trainer.ppo_driver import PPORun, kl_controller
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     cfg = run.cfg
-    run.rewards = _reward_scorer(cfg)
+    run.rewards = reward_scorer(cfg)
     first = configs[cfg.agents[0].name]
     data = setup_data(first, run.rewards)
     run.mode, run.total_steps = make_mode(cfg, list(configs)), data.total

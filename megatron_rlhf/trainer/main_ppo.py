@@ -8,8 +8,6 @@ the whole algorithm: generate -> score -> experience -> advantages -> update -> 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
@@ -17,6 +15,7 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, kl_controller, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
+from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
 
 
 def fit(run: PPORun) -> dict[str, float]:
@@ -59,52 +58,13 @@ def fit(run: PPORun) -> dict[str, float]:
     return run.history[-1] if run.history else {}
 
 
-@dataclass
-class RunData:
-    """What every worker group of a run shares: the tokenizer, prompts and step counts."""
-
-    arch: object
-    tokenizer: object
-    train: list
-    val: list
-    report: object
-    total: int
-    steps_per_epoch: int
-    stop_ids: list[int]
-
-
-def setup_data(cfg: PPOConfig, rewards) -> RunData:
-    """Tokenizer (the policy's), prompts (checked against ``rewards``), the run's length."""
-    from transformers import AutoTokenizer
-
-    from megatron_rlhf.data.prompts import load_prompts
-    from megatron_rlhf.trainer.ppo_worker import policy_files
-
-    arch, hf_dir = policy_files(cfg.actor.model_path)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    limits = dict(tokenizer=tokenizer, prompt_key=cfg.data.prompt_key,
-                  ground_truth_key=cfg.data.ground_truth_key, max_prompt=cfg.data.max_prompt_length,
-                  overlong=cfg.data.overlong, need_ground_truth=rewards.needs_ground_truth(),
-                  check_truth=rewards.check_ground_truth)
-    train, report = load_prompts(cfg.data.train_files, **limits)
-    val = load_prompts(cfg.data.val_files, **limits)[0] if cfg.data.val_files else []
-    steps_per_epoch = len(train) // cfg.data.train_batch_size
-    if steps_per_epoch == 0:
-        raise UserError(f"config: {len(train)} prompts are fewer than data.train_batch_size="
-                        f"{cfg.data.train_batch_size}")
-    total = steps_per_epoch * cfg.trainer.total_epochs
-    total = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps else total
-    return RunData(arch, tokenizer, train, val, report, total, steps_per_epoch,
-                   _stop_ids(tokenizer, cfg.rollout.stop))
-
-
 def setup(cfg: PPOConfig) -> PPORun:
     """Ray, worker groups, data, resume: everything :func:`fit` needs."""
     from megatron_rlhf.config.ppo_checks import check_layout, validate_ppo_config
     from megatron_rlhf.orchestration.cluster import start_ray
 
     validate_ppo_config(cfg)
-    rewards = _reward_scorer(cfg)
+    rewards = reward_scorer(cfg)
     data = setup_data(cfg, rewards)
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     check_parallel_for_model("actor.parallel", cfg.actor.parallel, data.arch)
@@ -143,17 +103,6 @@ def _offline(cfg: PPOConfig, tokenizer, need_truth: bool) -> list:
     return groups
 
 
-def _reward_scorer(cfg: PPOConfig):
-    """``reward.fn`` and ``reward.oracle_fn`` (default ``reward.fn``) resolved; the pool that
-    runs them starts later (:meth:`RewardScorer.start`)."""
-    from megatron_rlhf.rewards.registry import RewardOptions
-    from megatron_rlhf.rewards.scorer import RewardScorer
-
-    r = cfg.reward
-    return RewardScorer.from_specs(r.fn, r.oracle_fn or r.fn, RewardOptions(r.format_pattern),
-                                   r.workers, r.timeout_s)
-
-
 def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val, tokenizer,
            stop_ids, report, rewards) -> PPORun:
     """Worker groups on the Ray cluster: actor (+ critic when shared), or a critic group apart."""
@@ -187,17 +136,6 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
         run.log(f"reward functions: {', '.join(sorted({f.spec for f in rewards.fns.values()}))} "
                 f"({where})")
     return run
-
-
-def _stop_ids(tokenizer, stops: list[str]) -> list[int]:
-    ids = []
-    for text in stops:
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(tokens) != 1:
-            raise UserError(f"config: rollout.stop entry {text!r} is {len(tokens)} tokens; each stop "
-                            "string must be a single token")
-        ids += tokens
-    return ids
 
 
 def start(run: PPORun) -> None:
