@@ -30,8 +30,17 @@ def workspace(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(ws / "base")
     config = tiny_config("qwen2", "value", vocab_size=len(tokenizer), num_layers=2,
                          pad_token_id=tokenizer.pad_token_id)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(ws / "rm")
+    rm = AutoModelForSequenceClassification.from_config(config)
+    rm.save_pretrained(ws / "rm")
     tokenizer.save_pretrained(ws / "rm")
+    # The same judge with its head negated: an agent's reward model of its own, whose every
+    # score is minus the shared one's.
+    import torch
+
+    with torch.no_grad():
+        rm.score.weight.neg_()
+    rm.save_pretrained(ws / "rm_negated")
+    tokenizer.save_pretrained(ws / "rm_negated")
     # Another policy on the same vocabulary (the base, perturbed): a reference of one's own.
     import torch
     from transformers import AutoModelForCausalLM
@@ -89,7 +98,7 @@ def test_one_table_for_every_rank_and_an_update_touches_only_its_agent(workspace
     try:
         start(run)
         a, b = run.agents["a"].actor, run.agents["b"].actor
-        assert b.world_size == 2 and run.judge is not None
+        assert b.world_size == 2 and len(run.judges) == 1
         before_a, before_b = a.call("weights_digest"), b.call("weights_digest")
         episodes, metrics = run.mode.play(run, 0, Timer())
         table = episodes["a"].population["preferences"]
@@ -145,10 +154,13 @@ def test_population_run_logs_per_agent_and_resumes_after_a_kill_between_saves(wo
 
 @pytest.mark.parametrize("mode,extra", [
     ("proposer-solver", ["multi_agent.proposer=a"]),
-    ("critique-revise", ["multi_agent.answerer=a"]),
+    # Each agent its own reward model: the answerer the shared one, the critic the negated one.
+    ("critique-revise", ["multi_agent.answerer=a", "reward.model_path={ws}/rm",
+                         "agents.1.reward_model_path={ws}/rm_negated"]),
 ])
 def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
     out = tmp_path / mode
+    extra = [e.format(ws=workspace) for e in extra]
     done = ppo(overrides(workspace, out, f"multi_agent.mode={mode}", "algorithm.adv_estimator=grpo",
                          "actor.policy_loss=vanilla", "actor.loss_agg_mode=token-mean",
                          "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_rank=4",
@@ -167,6 +179,11 @@ def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
             r["proposer/valid_fraction"] > 0 for r in every]
     else:
         assert all("agent/b/actor/pg_loss" in r and "critique/final_answer_acc" in r for r in steps)
+        # Two judge groups, each scoring the same final answers for its own agent.
+        assert "judge 0: reward model" in done.stdout and "judge 1: reward model" in done.stdout
+        for r in steps:
+            assert r["agent/a/reward/rm_mean"] != 0.0
+            assert r["agent/b/reward/rm_mean"] == pytest.approx(-r["agent/a/reward/rm_mean"], rel=1e-5)
 
 
 def test_an_agent_at_pp2_blows_up_and_every_agent_rolls_back(workspace, tmp_path):

@@ -12,7 +12,7 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.data.tasks import parse_question
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.multi_agent.config import agent_config, check_agents, pools
+from megatron_rlhf.multi_agent.config import agent_config, check_agents, judges, pools
 from megatron_rlhf.multi_agent.modes import CritiqueRevise, Population, ProposerSolver
 from megatron_rlhf.rollout.base import Generation
 from megatron_rlhf.trainer.ppo_driver import Timer
@@ -64,6 +64,10 @@ def _cfg(*overrides):
     (["multi_agent.mode=proposer-solver"], "scores each agent on its own"),
     (["multi_agent.proposer=zed"], "multi_agent.proposer='zed' is not an agent"),
     (["algorithm.filter_groups.enable=true"], "not supported with agents"),
+    (["reward.model_path=rm", "agents.1.reward_model_path=rm_b"], "needs one preference model"),
+    (["agents.1.reward_model_path=rm_b"], "needs one preference model"),  # b an RM, a none
+    (["multi_agent.mode=proposer-solver", "algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla",
+      "agents.0.reward_model_path=rm"], r"agents\[0\].reward_model_path: a is the proposer"),
 ])
 def test_bad_agent_configs_are_one_clear_line(overrides, message):
     with pytest.raises(UserError, match=message):
@@ -93,6 +97,25 @@ def test_agent_configs_and_pools():
                                                                        "agent-b": ["b"]}
 
 
+@pytest.mark.parametrize("mode,overrides,expected", [
+    ("population", [], {}),  # rule-based rewards alone: no judge
+    ("population", ["reward.model_path=rm"], {"rm": ["a", "b"]}),
+    ("critique-revise", ["reward.model_path=rm", "agents.1.reward_model_path=rm_b"],
+     {"rm": ["a"], "rm_b": ["b"]}),
+    ("critique-revise", ["agents.0.reward_model_path=rm_a"], {"rm_a": ["a"]}),
+    # The proposer is scored by learnability: the shared reward model judges the solver alone.
+    ("proposer-solver", ["reward.model_path=rm"], {"rm": ["b"]}),
+])
+def test_each_distinct_reward_model_gets_one_judge(mode, overrides, expected):
+    extra = [] if mode == "population" else ["algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla"]
+    cfg = _cfg(f"multi_agent.mode={mode}", *extra, *overrides)
+    check_agents(cfg)
+    assert judges(cfg) == expected
+    for i, agent in enumerate(cfg.agents):
+        scoring = [path for path, names in expected.items() if agent.name in names]
+        assert agent_config(cfg, agent, i).reward.model_path == (scoring[0] if scoring else None)
+
+
 # ---------------------------------------------------------------------------- scripted agents
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
@@ -106,10 +129,13 @@ def tokenizer(tmp_path_factory):
 class Scripted:
     """An agent whose replies are a function of the prompt text; records what it was shown."""
 
-    def __init__(self, tokenizer, reply, score=None, prompts=None):
+    def __init__(self, tokenizer, reply, score=None, prompts=None, reward_model=None):
+        from types import SimpleNamespace
+
         self.tokenizer, self.reply, self.score_fn = tokenizer, reply, score
         self.prompts, self.seen, self.pad_id = prompts or [], [], tokenizer.pad_token_id
-        self.val = []
+        self.val, self.scored_calls = [], 0
+        self.cfg = SimpleNamespace(reward=SimpleNamespace(model_path=reward_model))
 
     def step_prompts(self, step):
         return self.prompts
@@ -137,7 +163,12 @@ class Scripted:
 
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
         values = torch.tensor([self.score_fn(t, prompts[g.prompt_index]) for t, g in zip(texts, gens)])
+        self.scored_calls += 1
         return {"score": values, "rm": None, "turns": None, "oracle": values}
+
+    def oracle_scores(self, prompts, gens):
+        return torch.tensor([float(_right(self.tokenizer.decode(g.tokens, skip_special_tokens=True),
+                                          prompts[g.prompt_index])) for g in gens])
 
 
 class Run:
@@ -234,6 +265,29 @@ def test_critique_revise_masks_each_agents_tokens(tokenizer):
     assert critic_trained == "wrong"
     assert mine.scored["score"].tolist() == [1.0, 1.0] == theirs.scored["score"].tolist()
     assert theirs.batch["group"].tolist() == [0, 0]  # the critic's baseline: per question
+    assert (a.scored_calls, b.scored_calls) == (1, 0)  # one judge: the final answers scored once
+
+
+def test_critique_revise_scores_each_agent_with_its_own_reward_model(tokenizer):
+    """The critic with a reward model of its own is scored by it, on the answerer's final
+    answers (the same text the answerer's reward model judges), not by the answerer's."""
+    cfg = _cfg("multi_agent.mode=critique-revise", "algorithm.adv_estimator=grpo",
+               "actor.policy_loss=vanilla")
+    prompts = [_prompt(tokenizer, "What is 2 + 3?", "5")]
+    judged = []
+
+    def length(text, prompt):  # the critic's "reward model": the final answer's length
+        judged.append(text)
+        return float(len(text))
+
+    a = Scripted(tokenizer, lambda t, k: "The answer is 5." if "Final answer:" in t else "6",
+                 _right, prompts, reward_model="rm_a")
+    b = Scripted(tokenizer, lambda t, k: "wrong", length, reward_model="rm_b")
+    episodes, metrics = CritiqueRevise(cfg, ["a", "b"]).play(Run(cfg, {"a": a, "b": b}), 0, Timer())
+    assert episodes["a"].scored["score"].tolist() == [1.0, 1.0]
+    assert episodes["b"].scored["score"].tolist() == [16.0, 16.0]
+    assert judged == ["The answer is 5."] * 2  # the final answer alone
+    assert metrics["critique/first_answer_acc"] == 0.0
 
 
 class Saved:

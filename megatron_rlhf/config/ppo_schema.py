@@ -308,6 +308,10 @@ class AgentConfig:
     reference_path: Optional[str] = None
     """This agent's frozen reference: default ``actor.ref_model_path``, else its own start
     (give every agent the same path to share one reference policy)."""
+    reward_model_path: Optional[str] = None
+    """This agent's reward model: default ``reward.model_path``. Agents whose paths are equal
+    share one judge group; each distinct path gets a group of its own
+    (``multi_agent.judge_world_size`` ranks). ``population`` needs one for all (one table)."""
     optim: dict[str, Any] = field(default_factory=dict)
     """Fields of ``actor.optim`` this agent changes (``{lr: 1e-5}``); the rest are ``actor.optim``'s."""
     parallel: dict[str, Any] = field(default_factory=dict)
@@ -330,7 +334,8 @@ class MultiAgentConfig:
     against the whole population (SPPO); ``proposer-solver``: one agent writes tasks, the other
     solves them; ``critique-revise``: one answers, the other critiques, the first revises."""
     judge_world_size: int = 1
-    """Ranks of the group that hosts the shared reward model (``reward.model_path``)."""
+    """Ranks of each judge group: the group that hosts a reward model (``reward.model_path``,
+    or an agent's own ``reward_model_path``) and scores the samples of the agents using it."""
     proposer: Optional[str] = None
     """proposer-solver: the agent that writes tasks (default the first); the other solves."""
     proposer_prompt: str = "Write a question."

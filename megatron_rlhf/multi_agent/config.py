@@ -76,8 +76,27 @@ def _check_mode(cfg: PPOConfig) -> None:
         if not r.fn:
             raise UserError("config: multi_agent.mode=proposer-solver checks answers with reward.fn "
                             "(e.g. reward.fn=addition)")
+    _check_judges(cfg)
     if m.judge_world_size < 1:
         raise UserError(f"config: multi_agent.judge_world_size={m.judge_world_size} must be >= 1")
+
+
+def _check_judges(cfg: PPOConfig) -> None:
+    """Per-agent reward models where the mode can use them."""
+    m = cfg.multi_agent
+    paths = {a.reward_model_path or cfg.reward.model_path or None for a in cfg.agents}
+    if m.mode == "population" and len(paths) > 1:
+        raise UserError("config: multi_agent.mode=population compares every agent's samples in one "
+                        "preference table, which needs one preference model; agents name "
+                        f"{len(paths)} reward models ({', '.join(sorted(map(str, paths)))}): use "
+                        "reward.model_path alone")
+    if m.mode == "proposer-solver":
+        proposer = m.proposer or cfg.agents[0].name
+        for i, agent in enumerate(cfg.agents):
+            if agent.name == proposer and agent.reward_model_path:
+                raise UserError(f"config: agents[{i}].reward_model_path: {agent.name} is the "
+                                "proposer, scored by how learnable its tasks are, not by a reward "
+                                "model; give the solver one instead")
 
 
 def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
@@ -87,6 +106,7 @@ def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
     out.agents = []
     out.actor.model_path = agent.model_path
     out.actor.ref_model_path = agent.reference_path or cfg.actor.ref_model_path
+    out.reward.model_path = reward_model(cfg, agent)
     out.actor.optim = _override(cfg.actor.optim, agent.optim, f"agents[{index}].optim")
     out.actor.parallel = _override(cfg.actor.parallel, agent.parallel, f"agents[{index}].parallel")
     if agent.temperature is not None:
@@ -95,6 +115,25 @@ def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
     out.rollout.seed = cfg.rollout.seed + 7919 * index
     out.trainer.output_dir = str(agent_dir(cfg, agent.name))
     out.trainer.n_gpus_per_node, out.trainer.nnodes = agent.world_size, 1
+    return out
+
+
+def reward_model(cfg: PPOConfig, agent: AgentConfig) -> str | None:
+    """The reward model that scores ``agent``'s samples (None: rule-based rewards only, or the
+    proposer, whose score is its tasks' learnability)."""
+    m = cfg.multi_agent
+    if m.mode == "proposer-solver" and agent.name == (m.proposer or cfg.agents[0].name):
+        return None
+    return agent.reward_model_path or cfg.reward.model_path or None
+
+
+def judges(cfg: PPOConfig) -> dict[str, list[str]]:
+    """Reward model path -> the agents it scores, in the config's order (one judge group each)."""
+    out: dict[str, list[str]] = {}
+    for agent in cfg.agents:
+        path = reward_model(cfg, agent)
+        if path:
+            out.setdefault(path, []).append(agent.name)
     return out
 
 

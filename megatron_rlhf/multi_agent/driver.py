@@ -2,8 +2,9 @@
 
 Each agent is a :class:`~megatron_rlhf.trainer.ppo_driver.PPORun` of its own: its model,
 optimizer, layout, rollout engine and weight sync live in its own worker group, on a resource
-pool it shares with other agents or has alone. A reward model, when configured, lives in one
-judge group that every agent's samples go through. The play mode
+pool it shares with other agents or has alone. A reward model lives in a judge group that
+scores the samples of every agent using it: one for all (``reward.model_path``), or one per
+distinct ``agents[i].reward_model_path``. The play mode
 (:mod:`megatron_rlhf.multi_agent.modes`) decides who speaks and what each agent is scored on;
 the loop is PPO's, once per agent: play -> experience -> advantages -> update -> sync weights.
 Checkpoints are per agent, and a step counts as saved only when every agent has it.
@@ -30,7 +31,7 @@ class MultiAgentRun:
     agents: dict  # name -> PPORun (insertion order: the config's)
     mode: object  # PlayMode
     total_steps: int
-    judge: object = None  # WorkerGroup hosting the shared reward model, if any
+    judges: dict = field(default_factory=dict)  # reward model path -> WorkerGroup hosting it
     pools: list = field(default_factory=list)
     rewards: object = None  # the shared RewardScorer
     ray_started: bool = False
@@ -195,26 +196,26 @@ def setup(cfg: PPOConfig) -> MultiAgentRun:
             validate_ppo_config(c)
         except UserError as err:
             raise UserError(f"agent {name}: {err}") from None
-    from megatron_rlhf.multi_agent.config import pools
+    from megatron_rlhf.multi_agent.config import judges, pools
 
     use_gpu = torch.cuda.is_available()
     sizes = {pool: max(a.world_size for a in members) for pool, members in pools(cfg).items()}
-    judge = cfg.multi_agent.judge_world_size if cfg.reward.model_path else 0
+    judge = cfg.multi_agent.judge_world_size * len(judges(cfg))
     started = start_ray(cfg.ray, sum(sizes.values()) + judge, use_gpu)
     run = MultiAgentRun(cfg, {}, None, 0, ray_started=started)
     try:
         _place(run, configs, sizes, use_gpu)
         return run
     except BaseException:
-        shutdown(run)  # whatever was placed: reward pool, judge, agent groups, pools
+        shutdown(run)  # whatever was placed: reward pool, judges, agent groups, pools
         stop_ray(started)
         raise
 
 
 def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> None:
-    """Every agent checked first (model, vocabulary, layout), then the judge and the agents'
+    """Every agent checked first (model, vocabulary, layout), then the judges and the agents'
     groups placed on their pools."""
-    from megatron_rlhf.multi_agent.config import pools
+    from megatron_rlhf.multi_agent.config import judges, pools, reward_model
     from megatron_rlhf.multi_agent.modes import make_mode
     from megatron_rlhf.orchestration.worker_group import ResourcePool, WorkerGroup
     from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
@@ -228,16 +229,9 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
     run.mode, run.total_steps = make_mode(cfg, list(configs)), data.total
     layouts = {a.name: _check_agent(configs[a.name], a, data, run.mode) for a in cfg.agents}
     run.rewards.start()
-    ranks = sum(sizes.values()) + (cfg.multi_agent.judge_world_size if cfg.reward.model_path else 0)
+    ranks = sum(sizes.values()) + cfg.multi_agent.judge_world_size * len(judges(cfg))
     threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // ranks)
-    if cfg.reward.model_path:
-        from megatron_rlhf.config.parallel import layout_of
-
-        size = cfg.multi_agent.judge_world_size
-        run.judge = WorkerGroup("judge", size, use_gpu, threads)
-        par = cfg.critic.parallel or cfg.actor.parallel
-        run.judge.build(PPOWorker, first, ("critic",), layout_of(par).resolve(size, data.arch.shape),
-                        {"actor": 0, "critic": 0})
+    _place_judges(run, configs, data, use_gpu, threads)
     for pool_name, members in pools(cfg).items():
         pool = ResourcePool(pool_name, sizes[pool_name], use_gpu)
         run.pools.append(pool)
@@ -246,7 +240,7 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
             group = WorkerGroup(f"agent-{agent.name}", agent.world_size, use_gpu, threads,
                                 pool=pool, share=len(members))
             run.agents[agent.name] = PPORun(
-                c, group, run.judge or group, data.tokenizer, data.train, data.val, data.stop_ids,
+                c, group, run.judges.get(reward_model(cfg, agent), group), data.tokenizer, data.train, data.val, data.stop_ids,
                 run.rewards.fns.get("fn"), run.rewards.fns.get("oracle"), data.total,
                 data.steps_per_epoch, kl_controller(c), rewards=run.rewards,
                 label=f"agent {agent.name}")
@@ -259,6 +253,24 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
     run.agents = {a.name: run.agents[a.name] for a in cfg.agents}  # the config's order
     run.log(f"mode {cfg.multi_agent.mode}; {data.total} steps of {cfg.data.train_batch_size} "
             f"prompts; prompts: {data.report}")
+
+
+def _place_judges(run: MultiAgentRun, configs: dict, data, use_gpu: bool, threads: int) -> None:
+    """A judge group per distinct reward model, built from the config of its first agent."""
+    from megatron_rlhf.config.parallel import layout_of
+    from megatron_rlhf.multi_agent.config import judges
+    from megatron_rlhf.orchestration.worker_group import WorkerGroup
+    from megatron_rlhf.trainer.ppo_worker import PPOWorker
+
+    cfg, size = run.cfg, run.cfg.multi_agent.judge_world_size
+    par = cfg.critic.parallel or cfg.actor.parallel
+    for k, (path, names) in enumerate(judges(cfg).items()):
+        group = WorkerGroup("judge" if k == 0 else f"judge-{k}", size, use_gpu, threads)
+        run.judges[path] = group
+        group.build(PPOWorker, configs[names[0]], ("critic",),
+                    layout_of(par).resolve(size, data.arch.shape), {"actor": 0, "critic": 0})
+        run.log(f"judge {k}: reward model {path} on {size} rank(s), scoring agent(s) "
+                f"{', '.join(names)}")
 
 
 def _check_agent(c: PPOConfig, agent, data, mode):
@@ -276,6 +288,14 @@ def _check_agent(c: PPOConfig, agent, data, mode):
                          f"agent {agent.name}'s reference")
     check_parallel_for_model(f"agents.{agent.name}.parallel", c.actor.parallel, arch)
     layout = layout_of(c.actor.parallel).resolve(agent.world_size, arch.shape)
+    if c.reward.model_path:
+        from megatron_rlhf.trainer.value_init import resolve_value_source
+
+        source = resolve_value_source(c.reward.model_path, layout)
+        if not source.is_checkpoint and source.from_lm:
+            raise UserError(f"agent {agent.name}: reward model {c.reward.model_path} is a causal "
+                            "LM, not a reward model (train one with `megatron-rlhf train-rm`)")
+        _same_vocabulary(data.tokenizer, source.hf_dir, f"agent {agent.name}'s reward model")
     try:
         check_layout(c, agent.world_size, layout.dp)
         # What the update's plan divides: the step's samples when fewer than a mini-batch.
@@ -346,8 +366,8 @@ def shutdown(run: MultiAgentRun) -> None:
         run.logger.close()
     for agent in run.agents.values():
         agent.actor.shutdown()
-    if run.judge is not None:
-        run.judge.shutdown()
+    for judge in run.judges.values():
+        judge.shutdown()
     for pool in run.pools:
         pool.remove()
 

@@ -168,7 +168,8 @@ class CritiqueRevise:
     answer and ``multi_agent.critique_prompt`` and writes a critique; the answerer reads it all
     and ``multi_agent.revise_prompt`` and writes its final answer, which ``reward.fn`` (and/or
     the reward model) scores. Both agents get that score, each on its own tokens only: the
-    answerer's sample masks the critique out, the critic's sample is its critique alone."""
+    answerer's sample masks the critique out, the critic's sample is its critique alone. An agent
+    with a reward model of its own is scored by it on the same final answers."""
 
     def __init__(self, cfg, names: list[str]):
         self.answerer = cfg.multi_agent.answerer or names[0]
@@ -210,11 +211,15 @@ class CritiqueRevise:
         critic_gens = [Generation(row, c.tokens, c.logprobs, c.finished) for row, c in enumerate(critiques)]
         critic_batch = build_batch([p.ids for p in critic_prompts], critic_gens, critic.pad_id)
         critic_batch["group"] = torch.tensor([a.prompt_index for a in answers])  # per question
-        theirs = Episode(critic_prompts, critic_gens, critic_batch, dict(scored))
+        if critic.cfg.reward.model_path == answerer.cfg.reward.model_path:  # the same judge
+            theirs_scored = dict(scored)
+        else:  # the critic's own reward model judges the same final answers
+            with timer(f"reward/{self.critic}"):
+                theirs_scored = _episode(critic, prompts, final).scored
+        theirs = Episode(critic_prompts, critic_gens, critic_batch, theirs_scored)
         metrics = {}
         if mine.scored.get("oracle") is not None:
-            first = _episode(answerer, prompts, answers).scored
-            metrics = {"critique/first_answer_acc": float(first["oracle"].mean()),
+            metrics = {"critique/first_answer_acc": float(answerer.oracle_scores(prompts, answers).mean()),
                        "critique/final_answer_acc": float(mine.scored["oracle"].mean())}
         return {self.answerer: mine, self.critic: theirs}, metrics
 

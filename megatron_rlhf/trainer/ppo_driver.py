@@ -283,6 +283,11 @@ class PPORun:
             score += out["overlong_penalty"]
         return out
 
+    def oracle_scores(self, prompts: list[Prompt], gens: list[Generation]) -> torch.Tensor:
+        """The oracle's scores [N] alone (no reward model, no shaping): accuracy, not signal."""
+        texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
+        return torch.tensor(self.rewards.score("oracle", _calls(texts, [prompts[g.prompt_index] for g in gens])))
+
     def reward_metrics(self) -> dict[str, float]:
         """``reward/errors``, ``reward/timeouts`` and the functions' extras since the last call
         (a step's rounds and turns included); each kind of failure logged once, naming the
