@@ -9,13 +9,12 @@ from megatron_rlhf.algorithms.multi_agent import agent_win_matrix, learnability
 from megatron_rlhf.algorithms.sppo import pairwise_preferences, win_rates
 from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_schema import PPOConfig
-from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.data.tasks import parse_question
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.multi_agent.config import agent_config, check_agents, judges, pools
 from megatron_rlhf.multi_agent.modes import CritiqueRevise, Population, ProposerSolver
 from megatron_rlhf.rollout.base import Generation
-from megatron_rlhf.trainer.ppo_driver import Timer
+from megatron_rlhf.trainer.ppo_driver import PPORun, Timer
 
 
 def test_win_matrix_matches_a_loop_and_is_complementary():
@@ -293,12 +292,14 @@ def test_critique_revise_scores_each_agent_with_its_own_reward_model(tokenizer):
 class Saved:
     """A PPORun's checkpoint bookkeeping, without workers."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, cfg):
         from megatron_rlhf.algorithms.ppo import FixedKLController
 
-        self.steps, self.restored = steps, None
+        self.steps, self.restored, self.cfg = steps, None, cfg
         self.rollbacks, self.lr_scale, self.kl_loss_scale = 0, 1.0, 1.0
         self.kl_ctrl = FixedKLController(0.1)
+
+    lower_rates = PPORun.lower_rates  # the arithmetic under test is PPORun's own
 
     def checkpoints(self):
         return sorted(self.steps)
@@ -311,7 +312,7 @@ def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp
     from megatron_rlhf.multi_agent.driver import MultiAgentRun
 
     cfg = _cfg(f"trainer.output_dir={tmp_path}", "trainer.rollback.max_rollbacks=1")
-    agents = {"a": Saved({2, 4, 6}), "b": Saved({2, 4})}  # killed before b saved step 6
+    agents = {"a": Saved({2, 4, 6}, cfg), "b": Saved({2, 4}, cfg)}  # killed before b saved step 6
     run = MultiAgentRun(cfg, agents, Population(), total_steps=10, step=6)
     assert run.checkpoints() == [2, 4]
     run.rollback("b", "actor/pg_loss is nan")
@@ -324,7 +325,7 @@ def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp
         assert agent.kl_ctrl.value == pytest.approx(0.1 * cfg.trainer.rollback.kl_coef_factor)
     with pytest.raises(UserError, match="agent a: loss is inf; already rolled back 1 times"):
         run.rollback("a", "loss is inf")
-    empty = MultiAgentRun(cfg, {"a": Saved(set()), "b": Saved({2})}, Population(), 10, step=3)
+    empty = MultiAgentRun(cfg, {"a": Saved(set(), cfg), "b": Saved({2}, cfg)}, Population(), 10, step=3)
     with pytest.raises(UserError, match="no checkpoint to roll back to"):
         empty.rollback("a", "loss is nan")
 

@@ -13,7 +13,6 @@ Checkpoints are per agent, and a step counts as saved only when every agent has 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.trainer.ppo_driver import Timer, summarize_rollout
+from megatron_rlhf.trainer.ppo_driver import Timer, close_step, rollback_target, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
 
 
@@ -116,29 +115,18 @@ class MultiAgentRun:
     def rollback(self, name: str, reason: str) -> None:
         """Every agent back to the newest common checkpoint, with the lowered learning rates
         and raised KL weights of ``trainer.rollback``."""
-        rb, saved = self.cfg.trainer.rollback, self.checkpoints()
-        first = next(iter(self.agents.values()))
-        if not saved:
-            raise UserError(f"step {self.step + 1}: agent {name}: {reason}; no checkpoint to roll "
-                            "back to (set trainer.save_every_steps); stopped")
-        if first.rollbacks >= rb.max_rollbacks:
-            raise UserError(f"step {self.step + 1}: agent {name}: {reason}; already rolled back "
-                            f"{first.rollbacks} times (trainer.rollback.max_rollbacks); stopped. "
-                            f"Checkpoints in {self.out / 'agents'} are intact")
-        failed = self.step + 1
+        failed, first = self.step + 1, next(iter(self.agents.values()))
+        target = rollback_target(failed, f"agent {name}: {reason}", self.checkpoints(),
+                                 first.rollbacks, self.cfg.trainer.rollback, self.out / "agents")
         for agent in self.agents.values():
-            agent.rollbacks += 1
-            agent.lr_scale *= rb.lr_factor
-            agent.kl_ctrl.value *= rb.kl_coef_factor
-            agent.kl_loss_scale *= rb.kl_coef_factor
-        self.restore(saved[-1], keep_scales=True)
-        self.log(f"rollback {first.rollbacks}/{rb.max_rollbacks} at step {failed}: agent "
-                 f"{name}: {reason}; every agent restored to step {saved[-1]}")
+            agent.lower_rates()
+        self.restore(target, keep_scales=True)
+        self.log(f"rollback {first.rollbacks}/{self.cfg.trainer.rollback.max_rollbacks} at step "
+                 f"{failed}: agent {name}: {reason}; every agent restored to step {target}")
 
 
 def fit(run: MultiAgentRun) -> dict[str, float]:
     """The multi-agent loop: each step the mode plays, then every playing agent updates."""
-    cfg = run.cfg
     while run.step < run.total_steps:
         timer = Timer()
         with timer("play"):
@@ -166,18 +154,9 @@ def fit(run: MultiAgentRun) -> dict[str, float]:
                 metrics |= {f"agent/{name}/{k}": v for k, v in kl.items()}
         run.step += 1
         metrics |= dict(timer)
-        metrics["step"] = run.step
-        run.logger.count(sum(len(e.gens) for e in episodes.values()),
-                         float(sum(e.batch["lengths"].sum() for e in episodes.values())))
-        if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
-            shown = {k.split("/", 1)[1]: v for k, v in metrics.items()
-                     if k.endswith("/reward/score_mean")}
-            metrics |= run.logger.progress(run.step, "samples", shown)
-        if cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0:
-            metrics |= run.validate(run.step)
-        run.record(metrics)
-        if cfg.trainer.save_every_steps and run.step % cfg.trainer.save_every_steps == 0:
-            run.save()
+        shown = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.endswith("/reward/score_mean")}
+        close_step(run, metrics, sum(len(e.gens) for e in episodes.values()),
+                   float(sum(e.batch["lengths"].sum() for e in episodes.values())), shown)
     return run.history[-1] if run.history else {}
 
 

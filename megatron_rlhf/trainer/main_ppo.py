@@ -13,7 +13,7 @@ import torch
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, kl_controller, summarize_rollout
+from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, close_step, kl_controller, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
 from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
 
@@ -45,16 +45,8 @@ def fit(run: PPORun) -> dict[str, float]:
         metrics |= run.advance_kl(adv, batch)
         run.step += 1
         metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | sampled | timer
-        metrics["step"] = run.step
-        run.logger.count(len(gens), float(batch["lengths"].sum()))
-        if run.step % cfg.trainer.log_every_steps == 0 or run.step == run.total_steps:
-            shown = {k.split("/")[-1]: metrics[k] for k in ("reward/score_mean", "actor/kl") if k in metrics}
-            metrics |= run.logger.progress(run.step, "samples", shown)
-        if cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0:
-            metrics |= run.validate(run.step)
-        run.record(metrics)
-        if cfg.trainer.save_every_steps and run.step % cfg.trainer.save_every_steps == 0:
-            run.save()
+        shown = {k.split("/")[-1]: metrics[k] for k in ("reward/score_mean", "actor/kl") if k in metrics}
+        close_step(run, metrics, len(gens), float(batch["lengths"].sum()), shown)
     return run.history[-1] if run.history else {}
 
 

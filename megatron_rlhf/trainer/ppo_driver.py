@@ -463,23 +463,22 @@ class PPORun:
         return None
 
     def rollback(self, reason: str) -> None:
+        failed = self.step + 1
+        target = rollback_target(failed, reason, self.checkpoints(), self.rollbacks,
+                                 self.cfg.trainer.rollback, self.ckpt_root)
+        self.lower_rates()
+        self.restore(target, keep_scales=True)
+        self.log(f"rollback {self.rollbacks}/{self.cfg.trainer.rollback.max_rollbacks} at step "
+                 f"{failed}: {reason}; restored step {target}, lr scale now {self.lr_scale:g}, "
+                 f"kl_coef now {self.kl_ctrl.value:g}, kl_loss_coef now {self.kl_loss_coef:g}")
+
+    def lower_rates(self) -> None:
+        """One more rollback: the learning rate down, the KL weights up (``trainer.rollback``)."""
         rb = self.cfg.trainer.rollback
-        saved = self.checkpoints()
-        if not saved:
-            raise UserError(f"step {self.step + 1}: {reason}; no checkpoint to roll back to "
-                            f"(set trainer.save_every_steps); stopped")
-        if self.rollbacks >= rb.max_rollbacks:
-            raise UserError(f"step {self.step + 1}: {reason}; already rolled back {self.rollbacks} "
-                            f"times (trainer.rollback.max_rollbacks); stopped. Checkpoints in "
-                            f"{self.ckpt_root} are intact")
-        self.rollbacks, failed = self.rollbacks + 1, self.step + 1
+        self.rollbacks += 1
         self.lr_scale *= rb.lr_factor
         self.kl_ctrl.value *= rb.kl_coef_factor
         self.kl_loss_scale *= rb.kl_coef_factor
-        self.restore(saved[-1], keep_scales=True)
-        self.log(f"rollback {self.rollbacks}/{rb.max_rollbacks} at step {failed}: {reason}; "
-                 f"restored step {saved[-1]}, lr scale now {self.lr_scale:g}, "
-                 f"kl_coef now {self.kl_ctrl.value:g}, kl_loss_coef now {self.kl_loss_coef:g}")
 
     def record(self, metrics: dict[str, float]) -> None:
         self.history.append(metrics)
@@ -487,6 +486,34 @@ class PPORun:
             self.logger.scalars(metrics["step"], {k: v for k, v in metrics.items() if k != "step"})
         with (self.out / "metrics.jsonl").open("a") as handle:
             handle.write(json.dumps(metrics) + "\n")
+
+
+def rollback_target(failed: int, reason: str, saved: list[int], rollbacks: int, rb,
+                    where: Path) -> int:
+    """The newest saved step to go back to after step ``failed`` went bad, or the error that
+    stops the run (nothing saved, or ``rb.max_rollbacks`` spent)."""
+    if not saved:
+        raise UserError(f"step {failed}: {reason}; no checkpoint to roll back to "
+                        f"(set trainer.save_every_steps); stopped")
+    if rollbacks >= rb.max_rollbacks:
+        raise UserError(f"step {failed}: {reason}; already rolled back {rollbacks} times "
+                        f"(trainer.rollback.max_rollbacks); stopped. Checkpoints in {where} are intact")
+    return saved[-1]
+
+
+def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> None:
+    """After an accepted update of ``run`` (a PPORun or a MultiAgentRun, its step already
+    advanced): count throughput, log progress, validate, record, save, as ``trainer.*`` says."""
+    t = run.cfg.trainer
+    metrics["step"] = run.step
+    run.logger.count(samples, tokens)
+    if run.step % t.log_every_steps == 0 or run.step == run.total_steps:
+        metrics |= run.logger.progress(run.step, "samples", shown)
+    if t.eval_every_steps and run.step % t.eval_every_steps == 0:
+        metrics |= run.validate(run.step)
+    run.record(metrics)
+    if t.save_every_steps and run.step % t.save_every_steps == 0:
+        run.save()
 
 
 def _calls(texts: list[str], prompts: list[Prompt]) -> list[tuple]:
