@@ -15,14 +15,15 @@ def _outcomes(rng, prompts, k, p_win):
 
 
 def test_identical_policies_interval_covers_one_half():
-    # 100 seeds of A = B in distribution: the 95% interval should hold 0.5 about 95 times
-    # (at least 88 keeps this test from failing by chance: P(X < 88) < 1e-3 for Bin(100, 0.95)).
+    # 100 seeds of A = B in distribution: the 95% interval should hold 0.5 about 95 times. The
+    # seeds are fixed (numpy's PCG64 draws the same on every machine): 94 here; the bar is the
+    # issue's 90.
     covered = 0
     for seed in range(100):
         rng = np.random.default_rng(seed)
         interval = ab_stats.bootstrap_interval(_outcomes(rng, 60, 2, 0.5), 500, seed)
         covered += interval.low <= 0.5 <= interval.high
-    assert covered >= 88
+    assert covered >= 90
 
 
 def test_a_planted_60_40_preference_is_detected():

@@ -150,13 +150,25 @@ def test_population_run_logs_per_agent_and_resumes_after_a_kill_between_saves(wo
                 "population/win_rate/a/b"):
         assert abs(redone[1][key] - full[1][key]) < 1e-6 * max(1.0, abs(full[1][key])), key
     assert ckpt("a", 2).is_dir() and ckpt("b", 2).is_dir()
+    # Each agent's checkpoint is an ordinary policy checkpoint: ab-test compares it with its start.
+    ab = subprocess.run(
+        [sys.executable, "-m", "megatron_rlhf.cli", "ab-test", "--policy-a", str(ckpt("b", 2)),
+         "--policy-b", str(workspace / "base"), "--prompts",
+         str(workspace / "data" / "prompts_val.parquet"), "--judge", "fn:addition",
+         "--samples-per-prompt", "2", "--max-new-tokens", "8", "--num-resamples", "200",
+         "--out", str(tmp_path / "ab")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert ab.returncode == 0, ab.stdout[-3000:] + ab.stderr[-3000:]
+    summary = json.loads((tmp_path / "ab" / "summary.json").read_text())
+    assert summary["num_prompts"] == 8 and summary["samples_per_prompt"] == 2
+    assert summary["win_rate"]["low"] <= summary["win_rate"]["estimate"] <= summary["win_rate"]["high"]
 
 
 @pytest.mark.parametrize("mode,extra", [
     ("proposer-solver", ["multi_agent.proposer=a"]),
     # Each agent its own reward model: the answerer the shared one, the critic the negated one.
+    # ... and a resource pool of its own.
     ("critique-revise", ["multi_agent.answerer=a", "reward.model_path={ws}/rm",
-                         "agents.1.reward_model_path={ws}/rm_negated"]),
+                         "agents.1.reward_model_path={ws}/rm_negated", "agents.1.resource_pool=separate"]),
 ])
 def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
     out = tmp_path / mode
@@ -181,6 +193,7 @@ def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
         assert all("agent/b/actor/pg_loss" in r and "critique/final_answer_acc" in r for r in steps)
         # Two judge groups, each scoring the same final answers for its own agent.
         assert "judge 0: reward model" in done.stdout and "judge 1: reward model" in done.stdout
+        assert "on pool agent-b (1 agent(s)" in done.stdout and "on pool shared (1 agent(s)" in done.stdout
         for r in steps:
             assert r["agent/a/reward/rm_mean"] != 0.0
             assert r["agent/b/reward/rm_mean"] == pytest.approx(-r["agent/a/reward/rm_mean"], rel=1e-5)
