@@ -96,6 +96,22 @@ def test_agent_configs_and_pools():
                                                                        "agent-b": ["b"]}
 
 
+def test_reward_models_of_the_agents_alone_are_a_reward():
+    """No shared reward: each agent's own reward model is what scores it; an agent left with
+    neither a reward model nor ``reward.fn`` is named."""
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+
+    two = ["multi_agent.mode=critique-revise", "algorithm.adv_estimator=grpo", "rollout.n=2",
+           "actor.policy_loss=vanilla", "reward.fn=null", "actor.model_path=m1"]
+    cfg = _cfg(*two, "agents.0.reward_model_path=rm_a", "agents.1.reward_model_path=rm_b")
+    validate_ppo_config(cfg)
+    for i, agent in enumerate(cfg.agents):
+        validate_ppo_config(agent_config(cfg, agent, i))
+    cfg = _cfg(*two, "agents.0.reward_model_path=rm_a")
+    with pytest.raises(UserError, match="set reward.model_path"):
+        validate_ppo_config(agent_config(cfg, cfg.agents[1], 1))
+
+
 @pytest.mark.parametrize("mode,overrides,expected", [
     ("population", [], {}),  # rule-based rewards alone: no judge
     ("population", ["reward.model_path=rm"], {"rm": ["a", "b"]}),

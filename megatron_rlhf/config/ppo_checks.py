@@ -83,7 +83,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     if alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
         raise UserError(f"config: algorithm.adv_estimator={alg.adv_estimator} compares samples of "
                         f"one prompt; set rollout.n >= 2 (got {r.n})")
-    if not (cfg.reward.model_path or cfg.reward.fn):
+    if not (cfg.reward.model_path or cfg.reward.fn or any(g.reward_model_path for g in cfg.agents)):
         raise UserError("config: set reward.model_path (a reward model) and/or reward.fn "
                         "(a rule-based reward)")
     if a.clip_ratio_c and a.clip_ratio_c <= 1:
