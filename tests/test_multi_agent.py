@@ -199,6 +199,18 @@ def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
             assert r["agent/b/reward/rm_mean"] == pytest.approx(-r["agent/a/reward/rm_mean"], rel=1e-5)
 
 
+def test_a_causal_lm_as_an_agents_reward_model_is_one_line(workspace, tmp_path):
+    out = tmp_path / "bad"
+    done = ppo(overrides(workspace, out, "multi_agent.mode=critique-revise",
+                         "algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla",
+                         f"agents.1.reward_model_path={workspace / 'base'}"))
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: the reward model of agent(s) b: {workspace / 'base'} is a causal LM, not a reward "
+        "model (train one with `megatron-rlhf train-rm`)")
+    assert not (out / "agents").exists() and not (out / "metrics.jsonl").exists()
+
+
 def test_an_agent_at_pp2_blows_up_and_every_agent_rolls_back(workspace, tmp_path):
     """SPPO over two pipeline stages (agent b, PP=2) next to agent a (one rank) whose reference
     is another policy: a's KL to it is large from the first step, b's (its own start) is not.

@@ -84,7 +84,7 @@ def _check_mode(cfg: PPOConfig) -> None:
 def _check_judges(cfg: PPOConfig) -> None:
     """Per-agent reward models where the mode can use them."""
     m = cfg.multi_agent
-    paths = {a.reward_model_path or cfg.reward.model_path or None for a in cfg.agents}
+    paths = {reward_model(cfg, a) for a in cfg.agents}
     if m.mode == "population" and len(paths) > 1:
         raise UserError("config: multi_agent.mode=population compares every agent's samples in one "
                         "preference table, which needs one preference model; agents name "

@@ -200,6 +200,7 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
     from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
     from megatron_rlhf.trainer.ppo_driver import PPORun, kl_controller
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
+    from megatron_rlhf.trainer.value_init import reward_model_source
 
     cfg = run.cfg
     run.rewards = reward_scorer(cfg)
@@ -207,6 +208,10 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
     data = setup_data(first, run.rewards)
     run.mode, run.total_steps = make_mode(cfg, list(configs)), data.total
     layouts = {a.name: _check_agent(configs[a.name], a, data, run.mode) for a in cfg.agents}
+    for path, names in judges(cfg).items():  # once per reward model, before anything is placed
+        what = f"the reward model of agent(s) {', '.join(names)}"
+        source = reward_model_source(path, _judge_layout(cfg, data), what)
+        _same_vocabulary(data.tokenizer, source.hf_dir, what)
     run.rewards.start()
     ranks = sum(sizes.values()) + cfg.multi_agent.judge_world_size * len(judges(cfg))
     threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // ranks)
@@ -218,8 +223,9 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
             c = configs[agent.name]
             group = WorkerGroup(f"agent-{agent.name}", agent.world_size, use_gpu, threads,
                                 pool=pool, share=len(members))
+            judge = run.judges.get(reward_model(cfg, agent), group)
             run.agents[agent.name] = PPORun(
-                c, group, run.judges.get(reward_model(cfg, agent), group), data.tokenizer, data.train, data.val, data.stop_ids,
+                c, group, judge, data.tokenizer, data.train, data.val, data.stop_ids,
                 run.rewards.fns.get("fn"), run.rewards.fns.get("oracle"), data.total,
                 data.steps_per_epoch, kl_controller(c), rewards=run.rewards,
                 label=f"agent {agent.name}")
@@ -236,20 +242,27 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
 
 def _place_judges(run: MultiAgentRun, configs: dict, data, use_gpu: bool, threads: int) -> None:
     """A judge group per distinct reward model, built from the config of its first agent."""
-    from megatron_rlhf.config.parallel import layout_of
     from megatron_rlhf.multi_agent.config import judges
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     cfg, size = run.cfg, run.cfg.multi_agent.judge_world_size
-    par = cfg.critic.parallel or cfg.actor.parallel
     for k, (path, names) in enumerate(judges(cfg).items()):
         group = WorkerGroup("judge" if k == 0 else f"judge-{k}", size, use_gpu, threads)
         run.judges[path] = group
-        group.build(PPOWorker, configs[names[0]], ("critic",),
-                    layout_of(par).resolve(size, data.arch.shape), {"actor": 0, "critic": 0})
+        group.build(PPOWorker, configs[names[0]], ("critic",), _judge_layout(cfg, data),
+                    {"actor": 0, "critic": 0})
         run.log(f"judge {k}: reward model {path} on {size} rank(s), scoring agent(s) "
                 f"{', '.join(names)}")
+
+
+def _judge_layout(cfg: PPOConfig, data):
+    """Every judge group's layout: ``critic.parallel`` (else ``actor.parallel``) over
+    ``multi_agent.judge_world_size`` ranks."""
+    from megatron_rlhf.config.parallel import layout_of
+
+    par = cfg.critic.parallel or cfg.actor.parallel
+    return layout_of(par).resolve(cfg.multi_agent.judge_world_size, data.arch.shape)
 
 
 def _check_agent(c: PPOConfig, agent, data, mode):
@@ -267,14 +280,6 @@ def _check_agent(c: PPOConfig, agent, data, mode):
                          f"agent {agent.name}'s reference")
     check_parallel_for_model(f"agents.{agent.name}.parallel", c.actor.parallel, arch)
     layout = layout_of(c.actor.parallel).resolve(agent.world_size, arch.shape)
-    if c.reward.model_path:
-        from megatron_rlhf.trainer.value_init import resolve_value_source
-
-        source = resolve_value_source(c.reward.model_path, layout)
-        if not source.is_checkpoint and source.from_lm:
-            raise UserError(f"agent {agent.name}: reward model {c.reward.model_path} is a causal "
-                            "LM, not a reward model (train one with `megatron-rlhf train-rm`)")
-        _same_vocabulary(data.tokenizer, source.hf_dir, f"agent {agent.name}'s reward model")
     try:
         check_layout(c, agent.world_size, layout.dp)
         # What the update's plan divides: the step's samples when fewer than a mini-batch.

@@ -34,7 +34,7 @@ from megatron_rlhf.rewards.rm_scorer import last_token_rewards
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
                                           set_lr_scale, train_step, training_dtype)
 from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, grid_logprobs
-from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
+from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source, reward_model_source
 
 ACTOR_KEYS = ["pg_loss", "loss_denominator", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
 CRITIC_KEYS = ["vf_loss", "loss_denominator", "vf_clipfrac", "tokens", "count"]
@@ -160,10 +160,7 @@ class PPOWorker:
             self.critic_meta = source
         self.rm = None
         if cfg.reward.model_path:
-            rm_source = resolve_value_source(cfg.reward.model_path, self.groups.layout)
-            if not rm_source.is_checkpoint and rm_source.from_lm:
-                raise UserError(f"reward.model_path: {cfg.reward.model_path} is a causal LM, not a "
-                                "reward model (train one with `megatron-rlhf train-rm`)")
+            rm_source = reward_model_source(cfg.reward.model_path, self.groups.layout)
             self.rm = build_value_model(rm_source, self.groups, self.dtype, cfg.trainer.seed,
                                         options).eval()
 

@@ -46,6 +46,17 @@ def resolve_value_source(path: str, layout: ParallelLayout) -> ValueSource:
                        padded_vocab_size(arch.vocab_size, layout.tp))
 
 
+def reward_model_source(path: str, layout: ParallelLayout,
+                        key: str = "reward.model_path") -> ValueSource:
+    """A frozen reward model to score with: a value checkpoint or an HF classifier, never a
+    causal LM (its scalar head would be random). ``key`` names the setting in errors."""
+    source = resolve_value_source(path, layout)
+    if not source.is_checkpoint and source.from_lm:
+        raise UserError(f"{key}: {path} is a causal LM, not a reward model (train one with "
+                        "`megatron-rlhf train-rm`)")
+    return source
+
+
 def build_value_model(source: ValueSource, groups: ParallelGroups, dtype: torch.dtype, seed: int,
                       options=None):
     """This rank's stage of the value model, with weights from ``source``."""
