@@ -12,9 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_rlhf.errors import UserError
-
-EXIT_USER_ERROR = 2
+from megatron_rlhf.errors import EXIT_STOPPED, EXIT_USER_ERROR, RunStopped, UserError
 
 
 def _rm():
@@ -258,6 +256,11 @@ def _rank() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import time
+
+    from megatron_rlhf.config.stopping import JOB_START_ENV
+
+    os.environ.setdefault(JOB_START_ENV, f"{time.time():.3f}")  # trainer.stop_at durations
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     from megatron_rlhf.distributed.launch import inside_launch, quiet_cpu_warnings, relaunch
@@ -274,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"[rank {_rank()}] " if inside_launch() else ""
         print(f"{prefix}error: {err}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RunStopped as stopped:
+        if _rank() == 0:
+            print(f"{stopped} (exit code {EXIT_STOPPED})", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     finally:
         _shutdown()
 

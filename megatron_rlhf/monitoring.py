@@ -44,7 +44,7 @@ class MetricsLogger:
     redone steps are logged again at their step (wandb cannot delete points)."""
 
     def __init__(self, output_dir: str, kind, total_steps: int, enabled: bool,
-                 start_step: int = 0):
+                 start_step: int = 0, kept: list[dict] | None = None):
         self.enabled = enabled
         self.total_steps = total_steps
         kinds = logger_kinds(kind)
@@ -55,9 +55,16 @@ class MetricsLogger:
         if enabled and "tensorboard" in kinds:
             from torch.utils.tensorboard import SummaryWriter
 
-            # On resume, drop points a killed run logged after its last checkpoint.
+            # A folder a killed run logged to: drop its points from the step resumed at (0: a
+            # start over) on, since it may have logged more of that step after its checkpoint
+            # (e.g. a final validation), then log again the rows of that step the checkpoint
+            # had seen: ``kept``, the metrics file's rows.
+            earlier = self.log_dir.is_dir() and any(self.log_dir.glob("events.*"))
             self.writer = SummaryWriter(str(self.log_dir),
-                                        purge_step=start_step + 1 if start_step else None)
+                                        purge_step=start_step if earlier else None)
+            for row in kept or []:
+                if row["step"] == start_step:
+                    self.scalars(start_step, {k: v for k, v in row.items() if k != "step"})
         if enabled and "wandb" in kinds:
             self.wandb = _start_wandb(Path(output_dir))
 

@@ -115,12 +115,25 @@ def test_one_table_for_every_rank_and_an_update_touches_only_its_agent(workspace
         stop_ray(run.ray_started)
 
 
-def test_population_run_logs_per_agent_and_resumes_after_a_kill_between_saves(workspace, tmp_path):
-    out = tmp_path / "pop"
-    args = overrides(workspace, out, "trainer.max_steps=2", "trainer.save_every_steps=1",
-                     "trainer.keep_last_n=2", "trainer.val_before_train=false")
-    done = ppo(args)
+POPULATION = ("trainer.max_steps=2", "trainer.save_every_steps=1", "trainer.keep_last_n=2",
+              "trainer.val_before_train=false")
+
+
+@pytest.fixture(scope="module")
+def population(workspace, tmp_path_factory):
+    """A 2-step population run: (its folder, its metrics rows and TensorBoard points as it
+    finished; a test below changes the folder)."""
+    from tests.interrupt import scalars, steady
+
+    out = tmp_path_factory.mktemp("population") / "pop"
+    done = ppo(overrides(workspace, out, *POPULATION))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, steady(out), scalars(out)
+
+
+def test_population_run_logs_per_agent_and_resumes_after_a_kill_between_saves(workspace, population, tmp_path):
+    out = population[0]
+    args = overrides(workspace, out, *POPULATION)
     full = [r for r in rows(out) if "agent/a/actor/pg_loss" in r]
     assert [r["step"] for r in full] == [1, 2]
     for r in full:
@@ -239,3 +252,25 @@ def test_an_agent_at_pp2_blows_up_and_every_agent_rolls_back(workspace, tmp_path
         for key in ("agent/a/actor/pg_loss", "agent/b/actor/pg_loss", "agent/b/actor/grad_norm"):
             assert math.isfinite(r[key]), (r["step"], key)
     assert trained[-1]["agent/b/actor/lr"] == pytest.approx(1e-3)
+
+
+def test_a_population_run_killed_during_an_agents_save_resumes_exactly(workspace, population, tmp_path):
+    """SIGKILL of the whole tree while an agent's checkpoint is half-written: the relaunch
+    resumes every agent from the newest step all of them committed, and ends with every logged
+    value equal to an uninterrupted run's (bitwise), no row missing or doubled."""
+    from tests.interrupt import kill_tree, launch, leftovers, saving, scalars, steady, wait_until
+
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    args = ["ppo", *overrides(workspace, out, *POPULATION)]
+    proc = launch(args, log)
+    second = lambda: any((out / "agents" / n / "checkpoints" / "actor" / "step_00000002.partial").is_dir()  # noqa: E731
+                         for n in ("a", "b"))
+    assert wait_until(proc, second), log.read_text()[-3000:]
+    assert saving(out)
+    kill_tree(proc)
+    proc = launch(args, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert "resumed every agent from step 1" in log.read_text()
+    assert steady(out) == population[1]
+    assert scalars(out) == population[2]
+    assert leftovers(out) == []

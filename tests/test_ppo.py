@@ -362,3 +362,52 @@ def test_sppo_runs_at_tp2_with_packing_and_resumes_exactly(workspace, tmp_path):
     for a, b in zip(rows, again):
         for key in ("actor/pg_loss", "reward/score_mean", "actor/grad_norm"):
             assert abs(a[key] - b[key]) < 1e-6 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
+def test_kills_at_seeded_moments_and_a_stop_signal_end_as_the_uninterrupted_run(workspace, uninterrupted, tmp_path):
+    """The whole process tree (driver, Ray, workers) SIGKILLed at start-up, during a save and
+    mid-step, and SIGUSR1 to the driver mid-step (again during the stop's save), each time
+    relaunched with the same command: every logged value and TensorBoard point equals the
+    uninterrupted run's, no row missing or doubled; a finished run relaunched does nothing."""
+    import random
+
+    from megatron_rlhf.errors import EXIT_STOPPED
+    from tests.interrupt import (kill_tree, launch, leftovers, rows, saving, scalars, steady,
+                                 wait_until)
+
+    reference = uninterrupted[0]
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    args = ["ppo", *overrides(workspace, out, *FULL_RUN)]
+    updates = lambda: [r["step"] for r in rows(out) if "actor/pg_loss" in r]  # noqa: E731
+    moments = random.Random(26)
+    proc = launch(args, log)  # start-up: Ray and the workers coming up
+    time.sleep(moments.uniform(2.0, 8.0))
+    kill_tree(proc)
+    proc = launch(args, log)  # a save
+    assert wait_until(proc, lambda: saving(out)), log.read_text()[-3000:]
+    kill_tree(proc)
+    proc = launch(args, log)  # a stop signal mid-step, another during the stop's save
+    done = len(updates())
+    assert wait_until(proc, lambda: len(updates()) > done)
+    time.sleep(moments.uniform(0.0, 1.0))
+    proc.send_signal(signal.SIGUSR1)
+    if wait_until(proc, lambda: saving(out)):
+        proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=600) == EXIT_STOPPED, log.read_text()[-3000:]
+    assert "stopped at step" in log.read_text()
+    proc = launch(args, log)  # mid-step: a rollout or an update
+    done = len(updates())
+    assert wait_until(proc, lambda: len(updates()) > done)
+    time.sleep(moments.uniform(0.2, 1.5))
+    kill_tree(proc)
+    proc = launch(args, log)
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    assert [r["step"] for r in rows(out)] == [r["step"] for r in rows(reference)]
+    assert steady(out) == steady(reference)  # bitwise
+    assert scalars(out) == scalars(reference)
+    assert leftovers(out) == []
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    proc = launch(args, tmp_path / "again.log")
+    assert proc.wait(timeout=120) == 0
+    assert "already finished 6 steps" in (tmp_path / "again.log").read_text()
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*")) == before

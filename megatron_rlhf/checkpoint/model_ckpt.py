@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.checkpoint.safe_load import RefusedCheckpointFile, check_torch_dist
 from megatron_rlhf.convert.hf_io import copy_hf_assets
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
@@ -103,12 +104,20 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
 
 
 def read_sharded(wanted: dict, path: Path, whole: bool = True) -> dict:
-    """``dist_checkpointing.load`` of ``path/model``; an unreadable (truncated, half-copied)
-    checkpoint is a :class:`UserError` naming it, not a traceback. ``whole=False`` reads a
+    """``dist_checkpointing.load`` of ``path/model``, its pickled files checked first
+    (:func:`~megatron_rlhf.checkpoint.safe_load.check_torch_dist`); an unreadable (truncated,
+    half-copied) checkpoint is a :class:`UserError` naming it, not a traceback. ``whole=False`` reads a
     subset (megatron's access-integrity check wants every tensor read in full by the ranks)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
+    try:
+        check_torch_dist(path / "model")  # before megatron-core unpickles any of it
+    except RefusedCheckpointFile:
+        raise
+    except UserError as err:
+        raise UserError(f"checkpoint {path} cannot be read ({err}); it may be incomplete or "
+                        "damaged") from None
     try:
         return dist_checkpointing.load(wanted, str(path / "model"), validate_access_integrity=whole)
     except (Exception, CheckpointException) as err:  # the latter is a BaseException

@@ -12,6 +12,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.schema import RMConfig, SFTConfig
+from megatron_rlhf.config.stopping import check_stop_settings
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import logger_kinds
 
@@ -168,6 +169,7 @@ def validate_training_config(config):
         if getattr(trainer, name) < 0:
             raise UserError(f"config: trainer.{name}={getattr(trainer, name)} must be >= 0 (0: off)")
     logger_kinds(trainer.logger)  # one of, or a list of, console/tensorboard/wandb
+    check_stop_settings(trainer)
     choices = {"data.overlong": (data.overlong, ("truncate", "drop")),
                "trainer.resume": (trainer.resume, ("auto", "disable")),
                "model.dtype": (config.model.dtype, ("auto", "float32", "bfloat16"))}

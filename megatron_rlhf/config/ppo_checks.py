@@ -8,6 +8,7 @@ from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.config.stopping import check_stop_settings
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import logger_kinds
 
@@ -78,6 +79,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_parallel("critic.parallel", cfg.critic.parallel, cfg.critic.moe)
     logger_kinds(t.logger)  # one of, or a list of, console/tensorboard/wandb
     _choice("trainer.resume", t.resume, ("auto", "disable"))
+    check_stop_settings(t)
     _check_recipes(cfg)
     _check_reward(cfg)
     if alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2:

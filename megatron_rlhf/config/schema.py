@@ -149,6 +149,23 @@ class TrainerConfig:
     """Seed for data order, head initialisation and RNG trackers."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: run all epochs)."""
+    stop_signals: list = field(default_factory=lambda: ["SIGUSR1", "SIGTERM"])
+    """Signals that stop the run cleanly: at the next step boundary every rank agrees, a
+    checkpoint is written, the loggers are flushed and the process exits with code 75
+    (``EXIT_STOPPED``: resume with the same command). ``[]``: the signals' default actions."""
+    stop_at: str = "auto"
+    """A wall-clock deadline, stopped at as a signal is: ``auto`` (the Slurm job's end,
+    ``SLURM_JOB_END_TIME``, when set), ``none``, a Unix time, an ISO date-time
+    (``2026-12-03T06:00``, local time unless it names a zone), or a duration counted from the
+    job's start (``SLURM_JOB_START_TIME``, else the launch of the command): ``90m``, ``4h``,
+    ``1h30m``, ``3600s``. The run stops when less time is left than its longest step plus twice
+    its longest save plus ``trainer.stop_margin_s``."""
+    stop_margin_s: float = 60.0
+    """Seconds kept free before ``trainer.stop_at`` beyond the measured step and save times."""
+    async_save: bool = False
+    """Write checkpoint shards in a background process (megatron-core's asynchronous
+    ``dist_checkpointing`` save) while training continues; a checkpoint is committed at a
+    later step boundary once every rank's writer has finished."""
 
 
 @dataclass

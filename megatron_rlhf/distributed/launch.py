@@ -134,7 +134,8 @@ def inside_launch() -> bool:
 def relaunch(nproc_per_node: int, argv: list[str]) -> int:
     """Run ``python -m megatron_rlhf.cli *argv`` as ``nproc_per_node`` local ranks (torch elastic).
 
-    Returns the exit code: 0, or the first failing rank's code. Each rank prints its own clean error.
+    Returns the exit code: 0, or the first failing rank's code (75: stopped cleanly, to be
+    resumed). Each rank prints its own clean error.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -151,6 +152,7 @@ def relaunch(nproc_per_node: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
     )
+    _forward_user_signals()
     try:
         elastic_launch(config, sys.executable)("-m", "megatron_rlhf.cli", *argv)
     except ChildFailedError as err:
@@ -159,3 +161,22 @@ def relaunch(nproc_per_node: int, argv: list[str]) -> int:
               file=sys.stderr)
         return failure.exitcode or 1
     return 0
+
+
+def _forward_user_signals() -> None:
+    """SIGUSR1/SIGUSR2 to this launcher (a batch script's warning before the time limit) go to
+    the ranks, which stop cleanly; torch elastic forwards SIGTERM itself (and kills the ranks
+    30 s later)."""
+    import signal
+
+    import psutil
+
+    def forward(signum, _frame):
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(signum)
+            except psutil.Error:  # already gone
+                pass
+
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)

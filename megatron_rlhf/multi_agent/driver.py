@@ -12,7 +12,6 @@ Checkpoints are per agent, and a step counts as saved only when every agent has 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,10 +21,11 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import Timer, close_step, rollback_target, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
+from megatron_rlhf.trainer.rl_run import RLRunState, check_inputs
 
 
 @dataclass
-class MultiAgentRun:
+class MultiAgentRun(RLRunState):
     cfg: PPOConfig
     agents: dict  # name -> PPORun (insertion order: the config's)
     mode: object  # PlayMode
@@ -37,6 +37,8 @@ class MultiAgentRun:
     step: int = 0
     logger: object = None
     history: list[dict] = field(default_factory=list)
+    stop: object = None  # StopRequest: stop signals and trainer.stop_at (the driver's)
+    last_saved: int = -1
 
     @property
     def out(self) -> Path:
@@ -73,49 +75,45 @@ class MultiAgentRun:
             out |= {f"agent/{name}/{k}": v for k, v in self.agents[name].validate(step).items()}
         return out
 
-    def record(self, metrics: dict[str, float]) -> None:
-        self.history.append(metrics)
-        if self.logger is not None:
-            self.logger.scalars(metrics["step"], {k: v for k, v in metrics.items() if k != "step"})
-        with (self.out / "metrics.jsonl").open("a") as handle:
-            handle.write(json.dumps(metrics) + "\n")
-
     # ------------------------------------------------------------------ checkpoints
     def checkpoints(self) -> list[int]:
         """Steps every agent has a checkpoint of, oldest first."""
         steps = [set(agent.checkpoints()) for agent in self.agents.values()]
         return sorted(set.intersection(*steps))
 
-    def save(self) -> None:
-        """Every agent saves, then the old steps go: a kill between two agents' saves leaves
-        the previous common step intact (the lone newer one goes at the next save)."""
+    def saving_groups(self) -> list[tuple]:
+        """Every agent's group with its trainer state (the step in each agent's
+        trainer_state.json); a kill between two agents' saves leaves the previous common step
+        intact (the lone newer one goes at the next prune)."""
+        out = []
         for agent in self.agents.values():
-            agent.step = self.step  # the step in each agent's trainer_state.json
-            agent.actor.call("save", str(agent.ckpt_root), self.step, agent.state())
+            agent.step = self.step
+            out.append((agent.actor, agent.ckpt_root, agent.state()))
+        return out
+
+    def stop_groups(self) -> list:
+        return [a.actor for a in self.agents.values()] + list(self.judges.values())
+
+    def checkpoint_folders(self, step: int) -> list:
+        return [f for agent in self.agents.values() for f in agent.checkpoint_folders(step)]
+
+    def prune_saved(self) -> None:
         keep = set(self.checkpoints()[-self.cfg.trainer.keep_last_n:])
         for agent in self.agents.values():
             agent.prune(keep)
 
-    def restore(self, step: int, keep_scales: bool = False) -> None:
-        for agent in self.agents.values():
-            agent.restore(step, keep_scales)
-        self.step = step
-        self.trim_metrics(step)
-
-    def trim_metrics(self, step: int) -> None:
-        from megatron_rlhf.trainer.loop import trim_metrics_file
-
-        path = self.out / "metrics.jsonl"
-        if path.is_file():
-            trim_metrics_file(path, step)
-        if self.logger is not None:
-            self.logger.rewind(step)
-        self.history = [h for h in self.history if h["step"] <= step]
+    def restore(self, step: int, keep_scales: bool = False) -> list[dict]:
+        """Every agent back to ``step``; returns the metrics rows its checkpoint had seen."""
+        states = [agent.restore(step, keep_scales) for agent in self.agents.values()]
+        self.step = self.last_saved = step
+        return self.trim_metrics(step, (states[0] or {}).get("metrics_rows"))
 
     def rollback(self, name: str, reason: str) -> None:
         """Every agent back to the newest common checkpoint, with the lowered learning rates
         and raised KL weights of ``trainer.rollback``."""
         failed, first = self.step + 1, next(iter(self.agents.values()))
+        if self.cfg.trainer.async_save:
+            self.collect_saves(blocking=True)  # a save in flight is of a good step
         target = rollback_target(failed, f"agent {name}: {reason}", self.checkpoints(),
                                  first.rollbacks, self.cfg.trainer.rollback, self.out / "agents")
         for agent in self.agents.values():
@@ -169,6 +167,7 @@ def setup(cfg: PPOConfig) -> MultiAgentRun:
 
     check_agents(cfg)  # first: an agent list that makes no sense says so before the rest
     validate_ppo_config(cfg)
+    check_inputs(cfg)
     configs = {a.name: agent_config(cfg, a, i) for i, a in enumerate(cfg.agents)}
     for name, c in configs.items():
         try:
@@ -319,25 +318,31 @@ def start(run: MultiAgentRun) -> None:
     first weight sync, first validation."""
     from megatron_rlhf.monitoring import MetricsLogger
 
+    from megatron_rlhf.checkpoint.train_ckpt import remove_unfinished
+
     out, t = run.out, run.cfg.trainer
     out.mkdir(parents=True, exist_ok=True)
+    for agent in run.agents.values():
+        remove_unfinished(agent.ckpt_root / "actor")
     saved = run.checkpoints()
     alone = {name: a.checkpoints() for name, a in run.agents.items() if a.checkpoints()}
     if t.resume == "auto" and alone and not saved:
         raise UserError(f"{out}: agents {', '.join(sorted(alone))} have checkpoints but no step is "
                         "common to every agent (was the agent list changed?); resuming would "
                         "start over and prune them. Choose another trainer.output_dir")
-    if t.resume == "disable" and (saved or (out / "metrics.jsonl").is_file()):
+    if t.resume == "disable" and (saved or run.metrics.exists()):
         raise UserError(f"{out} already holds a run; with trainer.resume=disable choose an empty "
                         "trainer.output_dir")
+    kept = []
     if saved and t.resume == "auto":
-        run.restore(saved[-1])
+        kept = run.restore(saved[-1])
         run.log(f"resumed every agent from step {saved[-1]} ({out / 'agents'})")
     else:
-        run.trim_metrics(-1)
+        run.trim_metrics(-1, rows=0)
         for agent in run.agents.values():
             agent.actor.call("sync_weights")
-    run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step)
+    run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,
+                               kept=kept)
     if run.step == 0 and t.val_before_train and next(iter(run.agents.values())).val:
         run.record({"step": 0, **run.validate(0)})
 
@@ -359,20 +364,20 @@ def shutdown(run: MultiAgentRun) -> None:
 def train_agents(cfg: PPOConfig) -> dict[str, float]:
     """``megatron-rlhf ppo`` with ``agents:``: set up, resume, train, save, validate."""
     from megatron_rlhf.orchestration.cluster import stop_ray
+    from megatron_rlhf.trainer.lifecycle import StopRequest
+    from megatron_rlhf.trainer.loop import already_finished
+    from megatron_rlhf.trainer.rl_run import finish
 
+    if already_finished("multi-agent", cfg):
+        return {}
+    stop = StopRequest(cfg.trainer, "multi-agent").install()  # before the long set-up
     run = None
     try:
         run = setup(cfg)
+        run.stop = stop.install()  # again: Ray's init took SIGTERM
         start(run)
-        last = fit(run)
-        if not run.checkpoints() or run.checkpoints()[-1] != run.step:
-            run.save()
-        every = cfg.trainer.eval_every_steps
-        if not (every and run.step % every == 0):
-            final = run.validate(run.step)
-            if final:
-                last = {**last, **final}
-                run.record({"step": run.step, **final})
+        fit(run)
+        last = finish(run)
         run.log(f"done: {run.step} steps; checkpoints in {run.out / 'agents'}/<name>/checkpoints")
         return last
     finally:

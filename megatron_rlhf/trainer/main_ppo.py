@@ -15,6 +15,7 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, close_step, kl_controller, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
+from megatron_rlhf.trainer.rl_run import check_inputs, finish
 from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
 
 
@@ -56,6 +57,7 @@ def setup(cfg: PPOConfig) -> PPORun:
     from megatron_rlhf.orchestration.cluster import start_ray
 
     validate_ppo_config(cfg)
+    check_inputs(cfg)
     rewards = reward_scorer(cfg)
     data = setup_data(cfg, rewards)
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
@@ -132,43 +134,52 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
 
 def start(run: PPORun) -> None:
     """Resume (or refuse to overwrite), open the logs, first weight sync, first validation."""
+    from megatron_rlhf.checkpoint.train_ckpt import remove_unfinished
     from megatron_rlhf.monitoring import MetricsLogger
 
     out, t = run.out, run.cfg.trainer
     out.mkdir(parents=True, exist_ok=True)
+    for role in run.roles:
+        remove_unfinished(run.ckpt_root / role)
     saved = run.checkpoints()
-    if t.resume == "disable" and (saved or (out / "metrics.jsonl").is_file()):
+    if t.resume == "disable" and (saved or run.metrics.exists()):
         raise UserError(f"{out} already holds a run; with trainer.resume=disable choose an empty "
                         "trainer.output_dir")
+    kept = []
     if saved and t.resume == "auto":
-        run.restore(saved[-1])
+        kept = run.trim_metrics(saved[-1], run.restore(saved[-1]).get("metrics_rows"))
         run.log(f"resumed from step {saved[-1]} ({run.ckpt_root})")
     else:
-        run.trim_metrics(-1)  # a killed run that never saved starts over: drop its rows
+        run.trim_metrics(-1, rows=0)  # a killed run that never saved starts over: drop its rows
         run.actor.call("sync_weights")
     run.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
-    run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step)
+    run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,
+                               kept=kept)
     if run.step == 0 and t.val_before_train and run.val:
         run.record({"step": 0, **run.validate(0)})
 
 
 def train_ppo(cfg: PPOConfig) -> dict[str, float]:
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
     from megatron_rlhf.orchestration.cluster import stop_ray
+    from megatron_rlhf.trainer.lifecycle import StopRequest
+    from megatron_rlhf.trainer.loop import already_finished
 
     if cfg.agents:
         from megatron_rlhf.multi_agent.driver import train_agents
 
         return train_agents(cfg)
+    validate_ppo_config(cfg)
+    if already_finished("ppo", cfg):
+        return {}
+    stop = StopRequest(cfg.trainer, "ppo").install()  # before the long set-up
     run = None
     try:
         run = setup(cfg)
+        run.stop = stop.install()  # again: Ray's init took SIGTERM
         start(run)
-        last = fit(run)
-        if not run.checkpoints() or run.checkpoints()[-1] != run.step:
-            run.save()  # before the final validation: a failure there loses no training
-        if run.val and not (cfg.trainer.eval_every_steps and run.step % cfg.trainer.eval_every_steps == 0):
-            last = {**last, **run.validate(run.step)}
-            run.record({"step": run.step, **{k: v for k, v in last.items() if k.startswith("val/")}})
+        fit(run)
+        last = finish(run)
         run.log(f"done: {run.step} steps; checkpoints in {run.ckpt_root}")
         return last
     finally:
@@ -177,6 +188,6 @@ def train_ppo(cfg: PPOConfig) -> dict[str, float]:
                 run.rewards.close()
             if run.logger is not None:
                 run.logger.close()
-            for group in {id(run.actor): run.actor, id(run.critic): run.critic}.values():
+            for group in run.groups():
                 group.shutdown()
             stop_ray(run.ray_started)

@@ -33,8 +33,10 @@ from megatron_rlhf.monitoring import MetricsLogger
 from megatron_rlhf.rewards.registry import RewardFunction
 from megatron_rlhf.rewards.scorer import RewardScorer
 from megatron_rlhf.rollout.base import Generation, SamplingParams
-from megatron_rlhf.trainer.loop import epoch_order, trim_metrics_file
+from megatron_rlhf.trainer.lifecycle import StopRequest
+from megatron_rlhf.trainer.loop import epoch_order
 from megatron_rlhf.trainer.ppo_experience import build_batch, sample_kl, token_kl
+from megatron_rlhf.trainer.rl_run import RLRunState
 
 
 class Timer(dict):
@@ -67,7 +69,7 @@ def cat_rows(parts: list) -> torch.Tensor | None:
 
 
 @dataclass
-class PPORun:
+class PPORun(RLRunState):
     cfg: PPOConfig
     actor: object  # WorkerGroup with the actor role
     critic: object  # WorkerGroup with the critic role (the same group when shared)
@@ -93,6 +95,8 @@ class PPORun:
     process); made from them, in-process, when not given."""
     label: str = "ppo"
     """Log-line prefix (a multi-agent run's agents: ``agent <name>``)."""
+    stop: StopRequest | None = None  # stop signals and trainer.stop_at (the driver's)
+    last_saved: int = -1  # the step of the newest save handed to the workers
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -399,10 +403,21 @@ class PPORun:
         return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "lr_scale": self.lr_scale,
                 "kl_loss_scale": self.kl_loss_scale, "rollbacks": self.rollbacks}
 
-    def save(self) -> None:
-        for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
-            group.call("save", str(self.ckpt_root), self.step, self.state())
+    def groups(self) -> list:
+        """The worker groups, each once (the critic's is the actor's when shared)."""
+        return list({id(self.actor): self.actor, id(self.critic): self.critic}.values())
+
+    def saving_groups(self) -> list[tuple]:
+        return [(group, self.ckpt_root, self.state()) for group in self.groups()]
+
+    def stop_groups(self) -> list:
+        return self.groups()
+
+    def prune_saved(self) -> None:
         self.prune()
+
+    def checkpoint_folders(self, step: int) -> list[Path]:
+        return [self.ckpt_root / role / f"step_{step:08d}" for role in self.roles]
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -430,26 +445,27 @@ class PPORun:
                 if int(path.name[5:]) not in keep:
                     shutil.rmtree(path)
 
-    def restore(self, step: int, keep_scales: bool = False) -> None:
-        """Load checkpoint ``step`` everywhere; the saved driver state unless ``keep_scales``."""
-        state = json.loads((self.ckpt_root / "actor" / f"step_{step:08d}" / "trainer_state.json").read_text())
+    def saved_state(self, step: int) -> dict:
+        """The driver state checkpoint ``step`` holds (read before any worker loads it)."""
+        path = self.ckpt_root / "actor" / f"step_{step:08d}" / "trainer_state.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise UserError(f"{path}: cannot be read ({err})") from None
+
+    def restore(self, step: int, keep_scales: bool = False) -> dict:
+        """Load checkpoint ``step`` everywhere; the saved driver state unless ``keep_scales``.
+        Returns that state (its ``metrics_rows``: what :meth:`trim_metrics` keeps)."""
+        state = self.saved_state(step)
         if not keep_scales:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
             self.lr_scale, self.rollbacks = state["lr_scale"], state["rollbacks"]
             self.kl_loss_scale = state.get("kl_loss_scale", 1.0)  # absent before it existed
-        for group in {id(self.actor): self.actor, id(self.critic): self.critic}.values():
+        for group in self.groups():
             group.call("load", str(self.ckpt_root), step, self.lr_scale)
-        self.step = step
+        self.step = self.last_saved = step
         self.actor.call("sync_weights")
-        self.trim_metrics(step)
-
-    def trim_metrics(self, step: int) -> None:
-        path = self.out / "metrics.jsonl"
-        if path.is_file():
-            trim_metrics_file(path, step)
-        if self.logger is not None:
-            self.logger.rewind(step)
-        self.history = [h for h in self.history if h["step"] <= step]
+        return state
 
     # ------------------------------------------------------------------ guard
     def guard_reason(self, metrics: dict[str, float]) -> str | None:
@@ -464,10 +480,12 @@ class PPORun:
 
     def rollback(self, reason: str) -> None:
         failed = self.step + 1
+        if self.cfg.trainer.async_save:
+            self.collect_saves(blocking=True)  # a save in flight is of a good step
         target = rollback_target(failed, reason, self.checkpoints(), self.rollbacks,
                                  self.cfg.trainer.rollback, self.ckpt_root)
         self.lower_rates()
-        self.restore(target, keep_scales=True)
+        self.trim_metrics(target, self.restore(target, keep_scales=True).get("metrics_rows"))
         self.log(f"rollback {self.rollbacks}/{self.cfg.trainer.rollback.max_rollbacks} at step "
                  f"{failed}: {reason}; restored step {target}, lr scale now {self.lr_scale:g}, "
                  f"kl_coef now {self.kl_ctrl.value:g}, kl_loss_coef now {self.kl_loss_coef:g}")
@@ -479,13 +497,6 @@ class PPORun:
         self.lr_scale *= rb.lr_factor
         self.kl_ctrl.value *= rb.kl_coef_factor
         self.kl_loss_scale *= rb.kl_coef_factor
-
-    def record(self, metrics: dict[str, float]) -> None:
-        self.history.append(metrics)
-        if self.logger is not None:
-            self.logger.scalars(metrics["step"], {k: v for k, v in metrics.items() if k != "step"})
-        with (self.out / "metrics.jsonl").open("a") as handle:
-            handle.write(json.dumps(metrics) + "\n")
 
 
 def rollback_target(failed: int, reason: str, saved: list[int], rollbacks: int, rb,
@@ -503,7 +514,8 @@ def rollback_target(failed: int, reason: str, saved: list[int], rollbacks: int, 
 
 def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> None:
     """After an accepted update of ``run`` (a PPORun or a MultiAgentRun, its step already
-    advanced): count throughput, log progress, validate, record, save, as ``trainer.*`` says."""
+    advanced): count throughput, log progress, validate, record, save, as ``trainer.*`` says;
+    stop cleanly (:meth:`RLRunState.stop_now`) if a signal or the deadline asks."""
     t = run.cfg.trainer
     metrics["step"] = run.step
     run.logger.count(samples, tokens)
@@ -514,6 +526,12 @@ def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> 
     run.record(metrics)
     if t.save_every_steps and run.step % t.save_every_steps == 0:
         run.save()
+    else:
+        run.collect_saves()  # asynchronous saves that finished meanwhile
+    if run.stop is not None:
+        run.stop.observe(step_s=sum(v for k, v in metrics.items() if k.startswith("timing/")))
+    if run.step < run.total_steps and (reason := run.stop_reason()):
+        run.stop_now(reason)
 
 
 def _calls(texts: list[str], prompts: list[Prompt]) -> list[tuple]:

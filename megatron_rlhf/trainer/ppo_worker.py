@@ -100,6 +100,8 @@ class PPOWorker:
     def __init__(self, config: PPOConfig, roles: tuple[str, ...], layout: ParallelLayout,
                  total_updates: dict[str, int]):
         self.config, self.roles = config, roles
+        self.stop = _catch_stop_signals(config.trainer)
+        self.writers: dict = {}  # role -> CheckpointWriter, made at the first save
         self.dtype = training_dtype(config.actor.dtype)
         self.groups = build_parallel_groups(layout, seed=config.trainer.seed)
         self.lr_scale = 1.0
@@ -331,29 +333,55 @@ class PPOWorker:
             set_lr_scale(trainable, optim, scale)
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save(self, root: str, step: int, state: dict) -> str:
-        """Save this rank's models at ``step``; the driver prunes once every group has saved."""
+    def _writer(self, role: str, root: str):
+        """This rank's checkpoint writer of ``role`` under ``root`` (made at the first save)."""
         from pathlib import Path
 
-        from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
+        from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter
 
-        saved = None
-        if "actor" in self.roles:
-            meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded}
-            saved = save_train_checkpoint(Path(root) / "actor", step, self.actor, meta,
-                                          self.hf_config, self.tokenizer, state, None)
-        if "critic" in self.roles and self.critic is not None:
-            from transformers import AutoTokenizer
+        writers = self.writers
+        if role not in writers:
+            if role == "actor":
+                meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded}
+                trainable, config, tokenizer = self.actor, self.hf_config, self.tokenizer
+            else:
+                from transformers import AutoTokenizer
 
-            from megatron_rlhf.trainer.value_init import reward_model_hf_config
+                from megatron_rlhf.trainer.value_init import reward_model_hf_config
 
-            source = self.critic_meta
-            meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
-            config, tokenizer = reward_model_hf_config(
-                source, AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True))
-            saved = save_train_checkpoint(Path(root) / "critic", step, self.critic, meta, config,
-                                          tokenizer, state, None)
-        return str(saved)
+                source = self.critic_meta
+                meta = {"kind": "value", "family": source.arch.family,
+                        "padded_vocab": source.padded_vocab}
+                config, tokenizer = reward_model_hf_config(
+                    source, AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True))
+                trainable = self.critic
+            writers[role] = CheckpointWriter(Path(root) / role, trainable, meta, config, tokenizer,
+                                             None, self.config.trainer.async_save)
+        return writers[role]
+
+    def _trained(self) -> list[str]:
+        return [role for role in ("actor", "critic") if role in self.roles
+                and getattr(self, role, None) is not None]
+
+    def save(self, root: str, step: int, state: dict) -> float:
+        """Save this rank's models at ``step`` (committed at once, or by :meth:`finalize_saves`
+        when asynchronous); the driver prunes once every group has committed. Returns the
+        seconds the save kept this rank from training."""
+        seconds = 0.0
+        for role in self._trained():
+            writer = self._writer(role, root)
+            writer.save(step, state)
+            seconds += writer.seconds
+        return seconds
+
+    def finalize_saves(self, blocking: bool = False) -> list[tuple[str, int]]:
+        """Commit finished asynchronous saves (``blocking``: wait for them): (role, step) each."""
+        return [(role, step) for role, writer in self.writers.items()
+                for step, _ in writer.finalize(blocking)]
+
+    def stop_signal(self) -> str | None:
+        """The stop signal this rank received itself (srun signals every task), if any."""
+        return self.stop.received if self.stop is not None else None
 
     def load(self, root: str, step: int, lr_scale: float) -> None:
         """Load this rank's models at ``step``, then run their schedules at ``lr_scale``."""
@@ -361,11 +389,10 @@ class PPOWorker:
 
         from megatron_rlhf.checkpoint.train_ckpt import load_train_checkpoint
 
+        self.finalize_saves(blocking=True)  # a save in flight lands before anything is loaded
         name = f"step_{step:08d}"
-        if "actor" in self.roles:
-            load_train_checkpoint(Path(root) / "actor" / name, self.actor)
-        if "critic" in self.roles and self.critic is not None:
-            load_train_checkpoint(Path(root) / "critic" / name, self.critic)
+        for role in self._trained():
+            load_train_checkpoint(Path(root) / role / name, getattr(self, role))
         self.set_lr_scale(lr_scale)
 
 
@@ -399,3 +426,15 @@ def _average(sums: list[dict], prefix: str) -> dict:
         else:
             out[f"{prefix}/{key}"] = sum(s[key] for s in sums) / (denominator if key in LOSSES else tokens)
     return out
+
+
+def _catch_stop_signals(trainer):
+    """A worker outlives a stop signal sent to it (srun signals every task; Ray's own handler
+    would exit): the driver asks for it at the step boundary and saves first."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None  # signals reach the main thread only
+    from megatron_rlhf.trainer.lifecycle import StopRequest
+
+    return StopRequest(trainer, None).install()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.algorithms.bradley_terry import bradley_terry_loss, pair_metrics
-from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
+from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_rm_config
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
 from megatron_rlhf.config.schema import RMConfig
@@ -27,7 +27,8 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
                                           training_dtype)
-from megatron_rlhf.trainer.loop import Run, epoch_order, fit
+from megatron_rlhf.trainer.lifecycle import StopRequest
+from megatron_rlhf.trainer.loop import Run, already_finished, epoch_order, fit
 from megatron_rlhf.trainer.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
 
@@ -162,23 +163,25 @@ def setup(config: RMConfig) -> Run:
                                config.parallel.use_distributed_optimizer)
     hf_config, export_tokenizer = reward_model_hf_config(source, tokenizer)
     meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
-    root = Path(config.trainer.output_dir) / "checkpoints"
-
-    def save(step: int) -> Path:
-        return save_train_checkpoint(root, step, trainable, meta, hf_config, export_tokenizer,
-                                     {"step": step}, config.trainer.keep_last_n)
+    checkpoints = CheckpointWriter(Path(config.trainer.output_dir) / "checkpoints", trainable,
+                                   meta, hf_config, export_tokenizer, config.trainer.keep_last_n,
+                                   config.trainer.async_save)
 
     _log(f"[train-rm] layout {groups.layout}; {plan.per_step} pairs/step = "
          f"{groups.layout.dp} ranks x {plan.micro_batches_per_step} micro-batches x "
          f"{plan.per_micro_batch} pairs; {total} steps")
     data = RMData(config, groups, plan, train, val, pad_id(tokenizer), steps_per_epoch)
     return Run(
-        name="train-rm", trainer=config.trainer, groups=groups, trainable=trainable,
+        name="train-rm", config=config, trainer=config.trainer, groups=groups, trainable=trainable,
         total_steps=total, micro_batches=lambda step: step_micro_batches(data, step),
         loss=lambda output, batch: rm_loss(output, batch, config), metric_keys=METRIC_KEYS,
         summarize=summarize, evaluate=(lambda: evaluate(data, trainable.module)) if val else None,
-        save=save, item="pairs", shown=("train/loss", "train/accuracy"))
+        checkpoints=checkpoints, item="pairs", shown=("train/loss", "train/accuracy"))
 
 
 def train_rm(config: RMConfig) -> dict[str, float]:
-    return fit(setup(config))
+    validate_rm_config(config)
+    if already_finished("train-rm", config):
+        return {}
+    stop = StopRequest(config.trainer, "train-rm").install()  # before the long set-up
+    return fit(setup(config), stop)

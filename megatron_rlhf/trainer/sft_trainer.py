@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
-from megatron_rlhf.checkpoint.train_ckpt import save_train_checkpoint
+from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_sft_config
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
 from megatron_rlhf.config.schema import SFTConfig
@@ -32,7 +32,8 @@ from megatron_rlhf.models.forward import pipeline_forward, token_cross_entropy
 from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
                                           training_dtype)
-from megatron_rlhf.trainer.loop import Run, epoch_order, fit
+from megatron_rlhf.trainer.lifecycle import StopRequest
+from megatron_rlhf.trainer.loop import Run, already_finished, epoch_order, fit
 
 METRIC_KEYS = ["loss", "target_tokens", "count", "tokens"]
 
@@ -153,16 +154,17 @@ def setup(config: SFTConfig) -> Run:
                                config.parallel.use_distributed_optimizer)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     meta = {"kind": "policy", "family": arch.family, "padded_vocab": padded}
-    root = Path(config.trainer.output_dir) / "checkpoints"
+    checkpoints = CheckpointWriter(Path(config.trainer.output_dir) / "checkpoints", trainable,
+                                   meta, hf_config, tokenizer, config.trainer.keep_last_n,
+                                   config.trainer.async_save)
     data = SFTData(config, groups, plan, train, val, pad_id(tokenizer), steps_per_epoch)
     run = Run(
-        name="sft", trainer=config.trainer, groups=groups, trainable=trainable, total_steps=total,
+        name="sft", config=config, trainer=config.trainer, groups=groups, trainable=trainable, total_steps=total,
         micro_batches=lambda step: step_micro_batches(data, step),
         loss=lambda out, batch: sft_loss(out, batch, arch.vocab_size, groups),
         metric_keys=METRIC_KEYS, summarize=summarize,
         evaluate=(lambda: evaluate(data, trainable.module, arch.vocab_size)) if val else None,
-        save=lambda step: save_train_checkpoint(root, step, trainable, meta, hf_config, tokenizer,
-                                                {"step": step}, config.trainer.keep_last_n),
+        checkpoints=checkpoints,
         item="samples", shown=("train/loss",))
     run.log(f"train data: {report}")
     run.log(f"layout {groups.layout}; {plan.per_step} samples/step; {total} steps")
@@ -170,4 +172,8 @@ def setup(config: SFTConfig) -> Run:
 
 
 def train_sft(config: SFTConfig) -> dict[str, float]:
-    return fit(setup(config))
+    validate_sft_config(config)
+    if already_finished("sft", config):
+        return {}
+    stop = StopRequest(config.trainer, "sft").install()  # before the long set-up
+    return fit(setup(config), stop)
