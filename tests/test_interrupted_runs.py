@@ -164,3 +164,26 @@ def test_a_stop_signal_reaching_one_rank_stops_every_rank_together(workspace, tm
     proc = launch(args, log)
     assert finish(proc) == 0, log.read_text()[-2000:]
     _assert_same_run(out, reference)
+
+
+def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_charge(workspace, tmp_path):
+    """``trainer.async_save``: training goes on while the shards are written, the checkpoint is
+    committed only once written; SIGKILL while it is half-written (steps already trained past
+    it) resumes from the one before, and the run ends equal to a synchronous, uninterrupted one."""
+    reference = _straight(rm_args(workspace, tmp_path / "straight"), tmp_path / "straight",
+                          tmp_path / "straight.log")
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    args = rm_args(workspace, out, 24, "trainer.async_save=true", "trainer.log_every_steps=1")
+    ckpt = lambda step: out / "checkpoints" / f"step_{step:08d}"  # noqa: E731
+    proc = launch(args, log)
+    assert wait_until(proc, lambda: (ckpt(4) / "megatron_rlhf.json").is_file())
+    kill_tree(proc)
+    proc = launch(args, log)  # resumes at 4; its first save (step 8) is its slowest
+    assert wait_until(proc, lambda: ckpt(8).with_name(ckpt(8).name + ".partial").is_dir()
+                      and len(rows(out)) >= 10), log.read_text()[-2000:]
+    kill_tree(proc)
+    assert (ckpt(4) / "megatron_rlhf.json").is_file() and not ckpt(8).exists()
+    proc = launch(args, log)
+    assert finish(proc) == 0, log.read_text()[-3000:]
+    assert "resumed from" in log.read_text() and "committed" in log.read_text()
+    _assert_same_run(out, reference)
