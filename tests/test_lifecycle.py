@@ -53,6 +53,7 @@ def test_the_deadline_leaves_room_for_a_step_and_two_saves():
 
 
 def test_a_caught_signal_is_a_reason_and_a_second_changes_nothing():
+    before = signal.getsignal(signal.SIGUSR2)
     stop = StopRequest(trainer(stop_signals=["SIGUSR2"]), None).install()
     try:
         assert stop.reason() is None
@@ -61,7 +62,7 @@ def test_a_caught_signal_is_a_reason_and_a_second_changes_nothing():
         assert stop.reason() == "SIGUSR2 received"
     finally:
         stop.uninstall()
-    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGUSR2) == before  # put back as it was
 
 
 def test_finished_marker_matches_its_settings_and_what_the_run_left(tmp_path):

@@ -152,7 +152,7 @@ def relaunch(nproc_per_node: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
     )
-    _forward_user_signals()
+    previous = _forward_user_signals()
     try:
         elastic_launch(config, sys.executable)("-m", "megatron_rlhf.cli", *argv)
     except ChildFailedError as err:
@@ -160,13 +160,18 @@ def relaunch(nproc_per_node: int, argv: list[str]) -> int:
         print(f"error: rank {rank} of {nproc_per_node} failed (exit code {failure.exitcode})",
               file=sys.stderr)
         return failure.exitcode or 1
+    finally:
+        import signal
+
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
     return 0
 
 
-def _forward_user_signals() -> None:
+def _forward_user_signals() -> dict:
     """SIGUSR1/SIGUSR2 to this launcher (a batch script's warning before the time limit) go to
     the ranks, which stop cleanly; torch elastic forwards SIGTERM itself (and kills the ranks
-    30 s later)."""
+    30 s later). Returns the handlers it replaced."""
     import signal
 
     import psutil
@@ -178,5 +183,4 @@ def _forward_user_signals() -> None:
             except psutil.Error:  # already gone
                 pass
 
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, forward)
+    return {sig: signal.signal(sig, forward) for sig in (signal.SIGUSR1, signal.SIGUSR2)}

@@ -384,3 +384,4 @@ def train_agents(cfg: PPOConfig) -> dict[str, float]:
         if run is not None:
             shutdown(run)
             stop_ray(run.ray_started)
+        stop.uninstall()

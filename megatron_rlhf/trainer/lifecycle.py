@@ -45,7 +45,8 @@ class StopRequest:
 
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            # None: a handler not set from Python, which cannot be put back; the default then.
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
 
     def _caught(self, signum, _frame) -> None:

@@ -191,3 +191,4 @@ def train_ppo(cfg: PPOConfig) -> dict[str, float]:
             for group in run.groups():
                 group.shutdown()
             stop_ray(run.ray_started)
+        stop.uninstall()

@@ -184,4 +184,7 @@ def train_rm(config: RMConfig) -> dict[str, float]:
     if already_finished("train-rm", config):
         return {}
     stop = StopRequest(config.trainer, "train-rm").install()  # before the long set-up
-    return fit(setup(config), stop)
+    try:
+        return fit(setup(config), stop)
+    finally:
+        stop.uninstall()  # the signals' own handlers again (a caller running several jobs)

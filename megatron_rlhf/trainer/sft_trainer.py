@@ -176,4 +176,7 @@ def train_sft(config: SFTConfig) -> dict[str, float]:
     if already_finished("sft", config):
         return {}
     stop = StopRequest(config.trainer, "sft").install()  # before the long set-up
-    return fit(setup(config), stop)
+    try:
+        return fit(setup(config), stop)
+    finally:
+        stop.uninstall()  # the signals' own handlers again (a caller running several jobs)
