@@ -68,11 +68,27 @@ def _count(text: str) -> int:
     return value
 
 
-def _add_layout(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--nproc-per-node", type=_count, default=1,
-                        help="launch this many local processes (ignored under torchrun/srun)")
+def _add_layout(parser: argparse.ArgumentParser, launcher: bool = True) -> None:
+    """The layout options of every command that builds a model, as the trainers' parallel.*."""
+    parser.add_argument("--tp", type=_count, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=_count, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=_count, default=1, help="expert-parallel size (MoE)")
+    parser.add_argument("--etp", type=_count, default=1, help="expert tensor-parallel size (MoE)")
+    parser.add_argument("--first-stage-layers", type=_count, default=None,
+                        help="layers of the first pipeline stage (default: split as evenly as "
+                             "megatron-core allows)")
+    parser.add_argument("--last-stage-layers", type=_count, default=None,
+                        help="layers of the last pipeline stage")
+    if launcher:
+        parser.add_argument("--nproc-per-node", type=_count, default=1,
+                            help="launch this many local processes (ignored under torchrun/srun)")
+
+
+def layout_from_args(args):
+    """The ``ParallelLayout`` of :func:`_add_layout`'s options."""
+    from megatron_rlhf.distributed.layout import ParallelLayout
+
+    return ParallelLayout.of(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--hf-dir", required=True)
     to_mcore.add_argument("--out-dir", required=True)
     _add_layout(to_mcore)
+    to_mcore.add_argument("--no-verify", action="store_true",
+                          help="skip reading the checkpoint back and comparing it with the source")
     to_hf = direction.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF folder")
     to_hf.add_argument("--mcore-dir", required=True)
     to_hf.add_argument("--out-dir", required=True)
     to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
                        help="largest safetensors file, e.g. 5GB or 200MB; also about the most "
                             "weight memory each process holds")
+    to_hf.add_argument("--no-verify", action="store_true",
+                       help="skip reading each written file back and comparing it")
     to_hf.add_argument("--nproc-per-node", type=_count, default=1,
                        help="split the export over this many local processes (ignored under "
                             "torchrun/srun)")
@@ -136,9 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--out", default="runs/ab_test", help="new or empty output folder")
     ab.add_argument("--batch-size", type=_count, default=64, help="samples per generate call")
     ab.add_argument("--num-resamples", type=_count, default=2000, help="bootstrap resamples")
-    ab.add_argument("--tp", type=_count, default=1, help="tensor-parallel size of the Megatron models")
-    ab.add_argument("--nproc-per-node", type=_count, default=1,
-                    help="launch this many local processes (ignored under torchrun/srun)")
+    _add_layout(ab)  # of the Megatron models (policies, reward model)
 
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
@@ -177,7 +195,7 @@ def _validate_before_launch(args) -> None:
         read_checkpoint_info(args.mcore_dir)  # any world size works: every rank reads at tp=pp=1
         check_writable(args.out_dir)
         return
-    layout = ParallelLayout(tp=args.tp, pp=args.pp)
+    layout = layout_from_args(args)
     if args.job == "convert":
         arch = read_hf_arch(args.hf_dir)
         check_writable(args.out_dir)
@@ -203,13 +221,15 @@ def run(args) -> int:
     if args.job == "convert" and args.direction == "mcore-to-hf":
         from megatron_rlhf.convert.checkpoints import mcore_to_hf
 
-        out = mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size)
+        out = mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size,
+                          verify=not args.no_verify)
         if _rank() == 0:
             print(f"wrote Hugging Face model to {out}")
     elif args.job == "convert":
         from megatron_rlhf.convert.checkpoints import hf_to_mcore
 
-        out = hf_to_mcore(args.hf_dir, args.out_dir, ParallelLayout(tp=args.tp, pp=args.pp))
+        out = hf_to_mcore(args.hf_dir, args.out_dir, layout_from_args(args),
+                          verify=not args.no_verify)
         if _rank() == 0:
             print(f"wrote Megatron checkpoint to {out}")
     elif args.job == "score-rm":
@@ -217,7 +237,7 @@ def run(args) -> int:
 
         _check_score_io(args)
         result = score_pairs(args.model_dir, args.data, args.output,
-                             ParallelLayout(tp=args.tp, pp=args.pp), args.micro_batch_size)
+                             layout_from_args(args), args.micro_batch_size)
         if result is not None:
             print(f"scored {len(result.chosen)} pairs -> {args.output}; "
                   f"pairwise accuracy {result.accuracy:.4f}")

@@ -40,11 +40,18 @@ LAYOUTS = {
     "deepseek_v3": {**DENSE, **EXPERTS},
     "deepseek_v3_no_q_lora": {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 1, None, 2)},
     "deepseek_v3_yarn": {"tp1": (1, 1), "tp2": (2, 1)},
+    # (tp, pp, dp, ep, etp, first stage, last stage): None = split automatically
+    "qwen3_moe_3l": {"tp1": (1, 1), "pp2": (1, 2), "pp2ep2": (1, 2, None, 2)},
+    "deepseek_v3_5l": {"tp1": (1, 1), "pp2": (1, 2), "pp4": (1, 4),
+                       "pp2_3+2": (1, 2, None, 1, 1, 3, 2), "pp2ep2": (1, 2, None, 2)},
 }
+UNEVEN = ("qwen3_moe_3l", "deepseek_v3_5l")
 # name -> (model, layout, generator tp)
 SYNCS = {"qwen3_moe_ep2": ("qwen3_moe", (1, 1, None, 2)),
          "deepseek_v3_tp2ep2": ("deepseek_v3", (2, 1, None, 2)),
-         "qwen2_moe_pp2ep2": ("qwen2_moe", (1, 2, None, 2))}
+         "qwen2_moe_pp2ep2": ("qwen2_moe", (1, 2, None, 2)),
+         "deepseek_v3_5l_pp2": ("deepseek_v3_5l", (1, 2)),
+         "qwen3_moe_3l_pp2ep2": ("qwen3_moe_3l", (1, 2, None, 2))}
 PROMPTS = [[5, 17, 33, 8, 90], [44, 2, 61, 7, 19, 23, 120, 3, 77], [12, 9, 200]]
 
 
@@ -75,8 +82,10 @@ def logits_parity(root: Path, results: dict) -> None:
             results[f"logits/{name}/{label}"] = (logits - reference).abs().max().item()
             if label == "tp1":
                 single = logits
-            elif "ep" in label:
+            elif "ep" in label or name in UNEVEN:
                 results[f"ep_vs_ep1/{name}/{label}"] = (logits - single).abs().max().item()
+            if name in UNEVEN:
+                results[f"stages/{name}/{label}"] = groups.layout.stage_layers(arch.num_layers)
 
 
 def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
@@ -106,6 +115,40 @@ def checkpoint_reshard(root: Path, workdir: Path, results: dict) -> None:
         results["ckpt/ep2_import_vs_hf"] = (saved - hf(tokens).logits).abs().max().item()
 
 
+def uneven_checkpoint(root: Path, workdir: Path, results: dict) -> None:
+    """DeepSeek-V3 with 5 layers imported at PP=2 (stages of 2 and 3 layers) reloads at PP=1,
+    PP=4 (1+1+1+2) and PP=2 x EP=2; and back to HF from the uneven checkpoint, bitwise."""
+    from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
+    from megatron_rlhf.convert.checkpoints import hf_to_mcore, mcore_to_hf
+    from megatron_rlhf.distributed.layout import ParallelLayout
+
+    tokens = torch.randint(0, 250, (2, 11), generator=torch.Generator().manual_seed(2))
+    ckpt = workdir / "deepseek_v3_5l_pp2"
+    release_groups()
+    hf_to_mcore(str(root / "deepseek_v3_5l"), str(ckpt), ParallelLayout(pp=2))
+    info = read_checkpoint_info(ckpt)
+    saved = None
+    for label, layout in (("pp2", (1, 2)), ("pp1", (1, 1)), ("pp4", (1, 4)),
+                          ("pp2ep2", (1, 2, None, 2))):
+        groups = layout_groups(layout, info.arch.shape)
+        logits = broadcast_logits(logits_of(load_model_checkpoint(info, groups), groups, tokens,
+                                            info.arch.vocab_size), (2, 11, info.arch.vocab_size))
+        saved = logits if saved is None else saved
+        results[f"ckpt/uneven_pp2->{label}"] = (logits - saved).abs().max().item()
+    release_groups()
+    back = workdir / "deepseek_v3_5l_back"
+    mcore_to_hf(str(ckpt), str(back))
+    dist.barrier()
+    from safetensors.torch import load_file
+
+    if dist.get_rank() == 0:
+        source = load_file(root / "deepseek_v3_5l" / "model.safetensors")
+        written = {k: v for f in sorted(back.glob("*.safetensors")) for k, v in load_file(f).items()}
+        results["ckpt/uneven_roundtrip_max_diff"] = max(
+            (source[k] - written[k]).abs().max().item() for k in source if k in written)
+        results["ckpt/uneven_roundtrip_missing"] = len(set(source) - set(written))
+
+
 def sync_parity(root: Path, results: dict) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
     for label, (name, layout) in SYNCS.items():
@@ -133,6 +176,7 @@ def main() -> None:
     results: dict[str, float] = {}
     logits_parity(root, results)
     checkpoint_reshard(root, workdir, results)
+    uneven_checkpoint(root, workdir, results)
     sync_parity(root, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))

@@ -407,3 +407,72 @@ def test_a_checkpoint_loads_in_the_dtype_a_trainer_asks_for(tiny_models, tmp_pat
     assert asked.embedding.word_embeddings.weight.dtype == torch.bfloat16
     for (name, a), (_, b) in zip(saved.named_parameters(), asked.named_parameters()):
         assert torch.equal(a.to(b.dtype), b), name  # the saved values, cast
+
+
+def test_conversions_read_back_and_verify_what_they_wrote(tiny_models, tmp_path, capsys):
+    src = tiny_models["qwen2_policy"]
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(src), "--out-dir",
+                 str(tmp_path / "mcore")]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "mcore"), "--out-dir",
+                 str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    count = len(_hf_tensors(src))
+    assert f"verified: the checkpoint's {count} tensors read back equal the source bitwise" in out
+    assert f"verified: {count} tensors read back from the written files equal what was written" in out
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(src), "--out-dir",
+                 str(tmp_path / "unchecked"), "--no-verify"]) == 0
+    assert "verified" not in capsys.readouterr().out
+
+
+def _perturbed(path, name):
+    """Rewrite the safetensors file ``path`` with tensor ``name`` changed in its last bit."""
+    from safetensors.torch import save_file
+
+    tensors = load_file(path)
+    flat = tensors[name].view(-1).view(torch.int32)
+    flat[0] ^= 1
+    save_file(tensors, path)
+
+
+def test_a_checkpoint_that_differs_from_its_source_is_named_and_left_incomplete(tiny_models, tmp_path, capsys, monkeypatch):
+    """The source changes while the conversion runs (another job overwrote it): the read-back
+    finds the tensor, the command fails with one line, the output stays OUT.partial."""
+    from megatron_rlhf.convert import verify
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_models["qwen2_policy"], src)
+    name = "model.layers.1.mlp.down_proj.weight"
+    real = verify.verify_checkpoint_against_hf
+
+    def changed_meanwhile(*args, **kwargs):
+        _perturbed(src / "model.safetensors", name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(verify, "verify_checkpoint_against_hf", changed_meanwhile)
+    out = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(src), "--out-dir", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: convert hf-to-mcore: verification failed: ") and name in last
+    assert not out.exists() and (tmp_path / "mcore.partial").is_dir()
+    assert not (tmp_path / "mcore.partial" / "megatron_rlhf.json").exists()
+
+
+def test_an_exported_file_that_reads_back_wrong_is_named_and_left_incomplete(tiny_models, tmp_path, capsys, monkeypatch):
+    from megatron_rlhf.convert import verify
+
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf-to-mcore", "--hf-dir", str(tiny_models["qwen2_policy"]),
+                 "--out-dir", str(mcore), "--no-verify"]) == 0
+    name = "model.embed_tokens.weight"
+    real = verify.check_written_shard
+
+    def corrupted_on_disk(path, tensors):
+        _perturbed(path, name)
+        return real(path, tensors)
+
+    monkeypatch.setattr(verify, "check_written_shard", corrupted_on_disk)
+    out = tmp_path / "hf"
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(mcore), "--out-dir", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: convert mcore-to-hf: verification failed: ") and name in last
+    assert not out.exists() and (tmp_path / "hf.partial").is_dir()

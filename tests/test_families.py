@@ -45,7 +45,29 @@ def test_checkpoint_imported_at_ep2_equals_transformers(families):
     assert 0 <= families["ckpt/ep2_import_vs_hf"] < TOLERANCE
 
 
-@pytest.mark.parametrize("scenario", ["qwen3_moe_ep2", "deepseek_v3_tp2ep2", "qwen2_moe_pp2ep2"])
+@pytest.mark.parametrize("model, layout, stages", [
+    ("qwen3_moe_3l", "pp2", [1, 2]), ("qwen3_moe_3l", "pp2ep2", [1, 2]),
+    ("deepseek_v3_5l", "pp2", [2, 3]), ("deepseek_v3_5l", "pp4", [1, 1, 1, 2]),
+    ("deepseek_v3_5l", "pp2_3+2", [3, 2]), ("deepseek_v3_5l", "pp2ep2", [2, 3])])
+def test_uneven_pipeline_stages_equal_pp1(families, model, layout, stages):
+    """Layer counts the pipeline size does not divide: split automatically (or as given), and
+    the logits equal PP=1's (and transformers', in test_logits_match_transformers)."""
+    assert families[f"stages/{model}/{layout}"] == stages
+    assert 0 <= families[f"ep_vs_ep1/{model}/{layout}"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["pp1", "pp4", "pp2ep2"])
+def test_checkpoint_saved_at_uneven_stages_reloads_at_other_layouts(families, layout):
+    assert 0 <= families[f"ckpt/uneven_pp2->{layout}"] < 1e-5
+
+
+def test_uneven_checkpoint_exports_back_to_the_same_hf_tensors(families):
+    assert families["ckpt/uneven_roundtrip_missing"] == 0
+    assert families["ckpt/uneven_roundtrip_max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("scenario", ["qwen3_moe_ep2", "deepseek_v3_tp2ep2", "qwen2_moe_pp2ep2",
+                                      "deepseek_v3_5l_pp2", "qwen3_moe_3l_pp2ep2"])
 def test_engine_logprobs_match_trainer_after_expert_sync(families, scenario):
     assert 0 <= families[f"sync/{scenario}"] < 1e-5
     assert families[f"sync_before/{scenario}"] > 1e-2  # the comparison can fail

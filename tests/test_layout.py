@@ -47,10 +47,38 @@ def test_resolve_fills_dp():
     assert ParallelLayout(tp=2, pp=2).resolve(8, SHAPE) == ParallelLayout(tp=2, pp=2, dp=2, ep=1)
 
 
+def test_layers_pp_does_not_divide_are_split_as_evenly_as_megatron_allows():
+    from megatron_rlhf.distributed.layout import even_split
+
+    # DeepSeek-V3 (61 layers) as verl lays it out (PP12, a 6-layer last stage) and at PP16;
+    # Qwen3-235B-A22B (94 layers) at PP8.
+    assert ParallelLayout(pp=12).stage_layers(61) == [5] * 11 + [6]
+    assert ParallelLayout(pp=16).stage_layers(61) == [2] + [4] * 14 + [3]
+    assert ParallelLayout(pp=8).stage_layers(94) == [11] + [12] * 6 + [11]
+    assert ParallelLayout(pp=3).stage_layers(4) == [1, 1, 2]
+    assert ParallelLayout(pp=2).stage_layers(61) == [30, 31]
+    assert ParallelLayout(pp=4).stage_layers(8) == [2, 2, 2, 2] and even_split(8, 4) == (None, None)
+    for layers in range(2, 70):  # the search never leaves the middle stages unequal
+        for pp in range(2, min(layers, 17) + 1):
+            counts = ParallelLayout(pp=pp).stage_layers(layers)
+            assert sum(counts) == layers and min(counts) >= 1 and len(set(counts[1:-1])) <= 1
+    given = ParallelLayout(pp=12, last_stage_layers=6)
+    assert given.stage_layers(61) == [5] * 11 + [6]
+    assert "as given" in given.describe_stages(61)
+    assert "split automatically" in ParallelLayout(pp=16).describe_stages(61)
+    assert ParallelLayout(pp=4).describe_stages(8) is None
+
+
 @pytest.mark.parametrize("layout, world, message", [
     (ParallelLayout(tp=3), 6, "attention heads (8) are not divisible by tp=3"),
     (ParallelLayout(tp=4), 4, "key/value heads (2) are not divisible by tp=4"),
-    (ParallelLayout(pp=3), 3, "layers (4) are not divisible by pp=3"),
+    (ParallelLayout(pp=5), 5, "4 layers cannot fill pp=5 stages"),
+    (ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2), 2,
+     "stages of 1 + 2 layers do not add up to the model's 4"),
+    (ParallelLayout(pp=4, first_stage_layers=1, last_stage_layers=2), 4,
+     "4 layers minus the first (1) and last (2) stages leave 1, which the 2 middle stage(s) "
+     "cannot share evenly"),
+    (ParallelLayout(pp=3, first_stage_layers=0), 3, "num_layers_in_first_pipeline_stage=0 must be >= 1"),
     (ParallelLayout(tp=2, pp=2), 6, "world size 6 is not divisible by tp*pp = 2*2 = 4"),
     (ParallelLayout(tp=2, dp=3), 4, "dp=3 but world size 4"),
     (ParallelLayout(tp=0), 1, "tp=0 must be >= 1"),

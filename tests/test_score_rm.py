@@ -64,6 +64,30 @@ def test_scores_match_transformers(rm_setup, tiny_models, layout):
     assert f"pairwise accuracy {wins / len(ROWS['prompt']):.4f}" in proc.stdout
 
 
+@pytest.mark.parametrize("layout", [["--ep", "2"], ["--pp", "2"]], ids=["ep2", "pp2_uneven"])
+def test_a_mixture_of_experts_reward_model_scores_like_transformers(tiny_models, tmp_path, layout):
+    """The layout options the trainers have, on score-rm: a 3-layer MoE reward model imported
+    at EP=2, scored at EP=2 and at PP=2 (stages of 1 and 2 layers), equals transformers."""
+    data = tmp_path / "prefs.parquet"
+    pq.write_table(pa.table(ROWS), data)
+    mcore, out = tmp_path / "moe_rm", tmp_path / "scored.parquet"
+    two = ["--nproc-per-node", "2"]
+    for command in (["convert", "hf-to-mcore", "--hf-dir", str(tiny_models["qwen3_moe_rm"]),
+                     "--out-dir", str(mcore), "--ep", "2", *two],
+                    ["score-rm", "--model-dir", str(mcore), "--data", str(data), "--output",
+                     str(out), *layout, *two]):
+        proc = subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", *command],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    if "--pp" in layout:
+        assert "3 layers over pp=2: stages of 1 / 2 layers" in proc.stdout
+    expected = _hf_rewards(tiny_models["qwen3_moe_rm"])
+    table = pq.read_table(out)
+    for column in ("chosen", "rejected"):
+        got = table.column(f"{column}_reward").to_pylist()
+        assert max(abs(a - b) for a, b in zip(got, expected[column])) < 1e-5
+
+
 def test_missing_column_is_reported(rm_setup, tmp_path, capsys):
     _, _, mcore = rm_setup
     bad = tmp_path / "bad.parquet"

@@ -16,6 +16,9 @@ MODELS = {
     "llama_rm": ("llama", "value", True, 2),  # tie flag must be ignored for the scalar head
 }
 POLICY_VOCAB = 250  # not a multiple of 4: padded to 256 in Megatron
+# name -> (family, kind, tiny_config overrides): a mixture-of-experts reward model of 3 layers
+# (no pipeline size above 1 divides them)
+MOE_MODELS = {"qwen3_moe_rm": ("qwen3_moe", "value", {"num_layers": 3})}
 
 
 def build_all(root: str | Path) -> dict[str, Path]:
@@ -31,6 +34,12 @@ def build_all(root: str | Path) -> dict[str, Path]:
         make_tiny_model(config, paths[name], seed=index)
         if kind == "value":
             tokenizer.save_pretrained(paths[name])
+    for index, (name, (family, kind, overrides)) in enumerate(MOE_MODELS.items()):
+        config = tiny_config(family, kind, vocab_size=len(tokenizer),
+                             pad_token_id=tokenizer.pad_token_id, **overrides)
+        paths[name] = root / name
+        make_tiny_model(config, paths[name], seed=100 + index)
+        tokenizer.save_pretrained(paths[name])
     return paths
 
 
@@ -48,6 +57,9 @@ FAMILY_MODELS = {
     "deepseek_v3_no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),
     "deepseek_v3_yarn": ("deepseek_v3", {"rope_parameters": DSV3_YARN}),
     "llama3_rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    # Layer counts no pipeline size divides: uneven first/last stages.
+    "qwen3_moe_3l": ("qwen3_moe", {"num_layers": 3}),
+    "deepseek_v3_5l": ("deepseek_v3", {"num_layers": 5}),
 }
 
 

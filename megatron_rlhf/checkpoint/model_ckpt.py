@@ -75,9 +75,11 @@ def check_writable(out_dir: str | os.PathLike) -> Path:
 
 def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
                           dtype: torch.dtype, hf_assets_dir: str | os.PathLike,
-                          sharded_strategy=None) -> Path:
+                          sharded_strategy=None, verify=None) -> Path:
     """Collectively save ``model`` (all ranks call this) atomically into ``out_dir``;
-    ``sharded_strategy``: a ``dist_checkpointing`` save strategy (default: megatron's)."""
+    ``sharded_strategy``: a ``dist_checkpointing`` save strategy (default: megatron's);
+    ``verify(partial_folder)``: run by every rank once the shards are written, before the
+    folder is marked complete (its error leaves ``OUT.partial`` as it is)."""
     from megatron.core import dist_checkpointing
 
     out = Path(out_dir)
@@ -92,6 +94,8 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
     dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"),
                             sharded_strategy=sharded_strategy)
     dist.barrier()
+    if verify is not None:
+        verify(partial)
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "kind": arch.kind, "family": arch.family,
                 "padded_vocab": padded_vocab, "dtype": dtype_name(dtype)}

@@ -15,7 +15,9 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "
 
 
 def layout_of(parallel: ParallelConfig) -> ParallelLayout:
-    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, etp=parallel.etp)
+    return ParallelLayout(tp=parallel.tp, pp=parallel.pp, ep=parallel.ep, etp=parallel.etp,
+                          first_stage_layers=parallel.num_layers_in_first_pipeline_stage,
+                          last_stage_layers=parallel.num_layers_in_last_pipeline_stage)
 
 
 def model_options(parallel: ParallelConfig, moe: MoEConfig) -> ModelOptions:
@@ -89,7 +91,7 @@ def check_parallel_for_model(prefix: str, parallel: ParallelConfig, arch: ModelA
         raise UserError(f"config: {prefix}.recompute_modules=mla_up_proj needs multi-latent "
                         f"attention ({arch.family} has none)")
     if parallel.recompute_method == "block" and parallel.recompute_num_layers:
-        per_stage = arch.num_layers // max(parallel.pp, 1)
+        per_stage = min(layout_of(parallel).stage_layers(arch.num_layers))
         if parallel.recompute_num_layers > per_stage:
             raise UserError(f"config: {prefix}.recompute_num_layers={parallel.recompute_num_layers} "
                             f"exceeds the {per_stage} layers of a pipeline stage")

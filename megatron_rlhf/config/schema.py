@@ -47,6 +47,12 @@ class ParallelConfig:
     experts of a pipeline stage are spread over its ``tp * dp`` ranks."""
     etp: int = 1
     """Expert tensor-parallel size: ranks splitting each expert's matrices (1: whole experts)."""
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers of the first pipeline stage when it differs from the others (megatron-core's
+    option of that name; the middle stages share the rest equally). Unset, and ``pp`` does not
+    divide the layers: split automatically, as evenly as megatron-core allows (said in the log)."""
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers of the last pipeline stage when it differs from the others."""
     sequence_parallel: bool = False
     """Split activations along the sequence over the TP ranks outside attention and MLP
     matmuls (needs tp > 1; MoE models with tp > 1 require it)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_rlhf.checkpoint.model_ckpt import (check_writable, read_checkpoint_info,
                                                  save_model_checkpoint)
 from megatron_rlhf.convert.hf_io import HFReader
@@ -32,11 +34,14 @@ def read_hf_arch(hf_dir: str | os.PathLike):
     return arch_from_hf_config(config)
 
 
-def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayout()) -> Path:
+def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayout(),
+                verify: bool = True) -> Path:
     """Convert an HF ``*ForCausalLM`` / ``*ForSequenceClassification`` folder into a checkpoint.
 
     Runs under any layout (all ranks call it); each rank reads only the tensors of its stage,
     streamed: no rank holds its model share (see :mod:`megatron_rlhf.convert.streaming_import`).
+    ``verify``: read the written checkpoint back and compare it with the source, bitwise
+    (:mod:`megatron_rlhf.convert.verify`), before marking it complete.
     """
     arch = read_hf_arch(hf_dir)
     reader = HFReader(hf_dir, mmap=False)
@@ -48,10 +53,21 @@ def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayo
     model = build_meta_model(arch, groups, dtype, padded)
     strategy = streaming_strategy(model, reader, hf_sources(model, reader, arch, groups, padded),
                                   groups)
-    return save_model_checkpoint(model, out_dir, arch, padded, dtype, hf_dir, strategy)
+    check = None
+    if verify:
+        from megatron_rlhf.convert.verify import verify_checkpoint_against_hf
+
+        def check(partial: Path) -> None:
+            count = verify_checkpoint_against_hf(partial, hf_dir, arch, padded, dtype)
+            if dist.get_rank() == 0:
+                print(f"verified: the checkpoint's {count} tensors read back equal the source "
+                      "bitwise", flush=True)
+
+    return save_model_checkpoint(model, out_dir, arch, padded, dtype, hf_dir, strategy, check)
 
 
-def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> Path:
+def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30,
+                verify: bool = True) -> Path:
     """Export a checkpoint to an HF folder (safetensors, config, tokenizer), streaming.
 
     All ranks call it and share the work; each holds one output shard at a time, never the model
@@ -61,4 +77,4 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30) 
     out = check_writable(out_dir)
     init_distributed()
     groups = build_parallel_groups(ParallelLayout(), info.arch.shape)
-    return export_hf(info, out, groups, max_shard_bytes)
+    return export_hf(info, out, groups, max_shard_bytes, verify)

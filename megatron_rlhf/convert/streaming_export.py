@@ -201,12 +201,15 @@ def _finish(plan: ExportPlan, info: CheckpointInfo, partial: Path, out: Path) ->
 
 
 def export_hf(info: CheckpointInfo, out: Path, groups: ParallelGroups,
-              max_shard_bytes: int) -> Path:
+              max_shard_bytes: int, verify: bool = True) -> Path:
     """Write ``info``'s model as an HF folder at ``out``; every rank calls this.
 
     Shards go to ``out.partial``, renamed to ``out`` once all are written, so a killed export
     never leaves a folder that looks finished. ``out`` must be on a filesystem all ranks share.
+    ``verify``: each shard is read back from its file and compared with what was written.
     """
+    from megatron_rlhf.convert.verify import agree, check_written_shard
+
     if groups.layout.tp * groups.layout.pp * groups.layout.ep != 1:
         raise ValueError("export_hf reads the full model: build groups with tp=pp=ep=1")
     _return_freed_tensors_to_the_os()
@@ -217,12 +220,20 @@ def export_hf(info: CheckpointInfo, out: Path, groups: ParallelGroups,
     _prepare(partial)
     rank, world = dist.get_rank(), dist.get_world_size()
     rounds = plan.rounds(rank, world)
+    found = None
     for index in tqdm(rounds, desc="Megatron -> HF", unit="shard", disable=rank != 0):
         params = plan.shards[index] if index is not None else ()
         tensors = load_hf_tensors(sharded, params, info.path)
         if index is not None:
             write_shard(partial / plan.file_name(index), tensors)
+            if verify and found is None:
+                found = check_written_shard(partial / plan.file_name(index), tensors)
         del tensors
+    if verify:
+        agree(found, "convert mcore-to-hf", partial)
+        if rank == 0:
+            print(f"verified: {len(plan.weight_map())} tensors read back from the written files "
+                  "equal what was written, bitwise", flush=True)
     dist.barrier()
     if rank == 0:
         _finish(plan, info, partial, out)

@@ -76,16 +76,16 @@ def load_hf_weights(model, reader: HFReader, arch: ModelArch, groups: ParallelGr
             param.copy_(read_shard(reader, rule, groups, name, param.shape))
 
 
-def mtp_tensor_names(reader: HFReader, arch: ModelArch) -> list[str]:
+def mtp_tensor_names(reader: HFReader, arch: ModelArch, say: bool = True) -> list[str]:
     """DeepSeek-V3's multi-token-prediction layers, stored after the decoder's last layer: we
-    train without them, so importing drops them (and says so once)."""
+    train without them, so importing drops them (and says so once; ``say=False``: silently)."""
     if not arch.mtp_layers:
         return []
     first = arch.num_layers
     pattern = re.compile(r"model\.layers\.(\d+)\.")
     names = [n for n in reader.names()
              if (m := pattern.match(n)) and int(m.group(1)) >= first]
-    if names and dist.get_rank() == 0:
+    if names and say and dist.get_rank() == 0:
         print(f"[convert] dropping {len(names)} multi-token-prediction tensors "
               f"(model.layers.{first}.* and up): megatron-rlhf trains without MTP", flush=True)
     return names

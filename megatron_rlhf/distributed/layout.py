@@ -7,7 +7,7 @@ argument instead of reading megatron's module globals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -25,13 +25,39 @@ class ModelShape:
     num_experts: int = 0
 
 
+def even_split(num_layers: int, pp: int) -> tuple[int | None, int | None]:
+    """(first, last) stage layer counts for ``num_layers`` over ``pp`` stages as megatron-core
+    allows them (only the first and last stage may differ; the middle ones are equal): none when
+    ``pp`` divides the layers, else the split whose largest stage is smallest, the first stage
+    (which also holds the embedding) never the larger of the two ends."""
+    if pp == 1 or num_layers % pp == 0:
+        return None, None
+    if pp == 2:
+        return num_layers // 2, num_layers - num_layers // 2
+    best = None
+    for middle in range(1, num_layers // (pp - 2) + 1):
+        ends = num_layers - (pp - 2) * middle
+        if ends < 2:
+            break
+        first, last = ends // 2, ends - ends // 2
+        key = (max(first, last, middle), abs(first - middle) + abs(last - middle))
+        if best is None or key < best[0]:
+            best = (key, first, last)
+    if best is None:
+        raise UserError(f"parallel layout: {num_layers} layers cannot fill pp={pp} stages")
+    return best[1], best[2]
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """Tensor (tp), pipeline (pp), data (dp), expert (ep) and expert-tensor (etp) parallel sizes.
 
     ``dp=None`` means "whatever the world size leaves": ``world_size // (tp * pp)``. Experts are
     laid out over the same ranks: each pipeline stage's ``tp * dp`` ranks form ``etp * ep``-sized
-    expert groups (megatron-core's rule: ``world % (etp * ep * pp) == 0``).
+    expert groups (megatron-core's rule: ``world % (etp * ep * pp) == 0``). ``first_stage_layers``
+    / ``last_stage_layers`` are megatron-core's ``num_layers_in_first/last_pipeline_stage``
+    when given; else :meth:`stage_ends` splits each model's layers, as evenly as megatron-core
+    allows when ``pp`` does not divide them.
     """
 
     tp: int = 1
@@ -39,6 +65,57 @@ class ParallelLayout:
     dp: int | None = None
     ep: int = 1
     etp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @classmethod
+    def of(cls, options) -> "ParallelLayout":
+        """From any object with ``tp, pp, ep, etp, first_stage_layers, last_stage_layers`` (a
+        command's parsed options)."""
+        return cls(tp=options.tp, pp=options.pp, ep=options.ep, etp=options.etp,
+                   first_stage_layers=options.first_stage_layers,
+                   last_stage_layers=options.last_stage_layers)
+
+    def stage_ends(self, num_layers: int) -> tuple[int | None, int | None]:
+        """megatron-core's ``num_layers_in_first/last_pipeline_stage`` for ``num_layers``: the
+        given ones, else :func:`even_split`'s (none when ``pp`` divides the layers). Decided per
+        model, so one layout serves models of different depths (an A/B test's two policies)."""
+        if self.first_stage_layers is not None or self.last_stage_layers is not None:
+            return self.first_stage_layers, self.last_stage_layers
+        return even_split(num_layers, self.pp)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage, first to last."""
+        first, last = self.stage_ends(num_layers)
+        if first is None and last is None:
+            return [num_layers // self.pp] * self.pp
+        if self.pp == 1:
+            return [num_layers]
+        inner = self.pp - 2
+        if first is None or last is None:  # one end given: the others share the rest equally
+            given = first if first is not None else last
+            share = (num_layers - given) // (self.pp - 1)
+            first, last = (given, share) if first is not None else (share, given)
+        rest = num_layers - first - last
+        return [first] + ([rest // inner] * inner if inner else []) + [last]
+
+    def stage_of(self, num_layers: int, stage: int) -> tuple[int, int]:
+        """(first global layer index, layer count) of pipeline stage ``stage``."""
+        counts = self.stage_layers(num_layers)
+        return sum(counts[:stage]), counts[stage]
+
+    def describe_stages(self, num_layers: int) -> str | None:
+        """One line on an uneven split (None when the stages are equal)."""
+        first, last = self.stage_ends(num_layers)
+        if first is None and last is None:
+            return None
+        counts = self.stage_layers(num_layers)
+        middle = f" / {len(counts) - 2} x {counts[1]}" if len(counts) > 2 else ""
+        how = ("as given" if (self.first_stage_layers, self.last_stage_layers) != (None, None)
+               else "split automatically, as evenly as megatron-core allows; "
+                    "num_layers_in_first/last_pipeline_stage choose another")
+        return (f"{num_layers} layers over pp={self.pp}: stages of {counts[0]}{middle} / "
+                f"{counts[-1]} layers ({how})")
 
     def resolve(self, world_size: int, shape: ModelShape | None = None) -> "ParallelLayout":
         """Check the layout against the world and the model; return it with ``dp`` filled in.
@@ -63,7 +140,30 @@ class ParallelLayout:
                             f"{self.tp * dp} ranks of a pipeline stage (tp*dp = {self.tp}*{dp})")
         if shape is not None:
             self._check_shape(shape)
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=dp, ep=self.ep, etp=self.etp)
+        return replace(self, dp=dp)
+
+    def _check_stages(self, num_layers: int) -> str | None:
+        """Why the stage split does not fit ``num_layers``, or None."""
+        first, last, pp = self.first_stage_layers, self.last_stage_layers, self.pp
+        if num_layers < pp:
+            return f"{num_layers} layers cannot fill pp={pp} stages"
+        if first is None and last is None:
+            return None  # split by even_split
+        if pp == 1:
+            return "num_layers_in_first/last_pipeline_stage need pp > 1"
+        for name, value in (("first", first), ("last", last)):
+            if value is not None and value < 1:
+                return f"num_layers_in_{name}_pipeline_stage={value} must be >= 1"
+        counts = self.stage_layers(num_layers)
+        middle = num_layers - counts[0] - counts[-1]
+        if pp > 2 and (middle < pp - 2 or middle % (pp - 2)):
+            return (f"{num_layers} layers minus the first ({counts[0]}) and last ({counts[-1]}) "
+                    f"stages leave {middle}, which the {pp - 2} middle stage(s) cannot share "
+                    "evenly")
+        if sum(counts) != num_layers or min(counts) < 1:
+            return (f"stages of {' + '.join(map(str, counts))} layers do not add up to the "
+                    f"model's {num_layers}")
+        return None
 
     def _check_shape(self, shape: ModelShape) -> None:
         checks = [
@@ -71,8 +171,8 @@ class ParallelLayout:
              f" are not divisible by tp={self.tp}"),
             (shape.num_query_groups % self.tp, f"key/value heads ({shape.num_query_groups}) are not"
              f" divisible by tp={self.tp}"),
-            (shape.num_layers % self.pp, f"layers ({shape.num_layers}) are not divisible by"
-             f" pp={self.pp}"),
+            (self._check_stages(shape.num_layers) is not None,
+             self._check_stages(shape.num_layers)),
             (shape.vocab_size < 1, f"vocab size {shape.vocab_size} must be positive"),
         ]
         if shape.num_experts:
@@ -87,7 +187,11 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         experts = f" ep={self.ep} etp={self.etp}" if self.ep > 1 or self.etp > 1 else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{experts}"
+        ends = [f"{name} stage {count} layers" for name, count in
+                (("first", self.first_stage_layers), ("last", self.last_stage_layers))
+                if count is not None]
+        stages = f" ({', '.join(ends)})" if ends else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{experts}{stages}"
 
 
 @dataclass

@@ -190,7 +190,7 @@ def check_inputs(args) -> ABInputs:
     if judge.fn:
         reward_function(judge)
     reward_model = resolve_reward_model(judge.rm) if judge.rm else None
-    layout, world = ParallelLayout(tp=args.tp), _world_size(args)
+    layout, world = ParallelLayout.of(args), _world_size(args)
     for source in (*policies.values(), *([reward_model] if reward_model else [])):
         try:
             layout.resolve(world, source.arch.shape)

@@ -73,10 +73,9 @@ def layer_specs(arch: ModelArch, groups: ParallelGroups):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     pattern = arch.moe.layer_pattern if arch.moe else (0,) * arch.num_layers
-    per_stage = arch.num_layers // groups.layout.pp
-    first = groups.pp_rank * per_stage
+    first, count = groups.layout.stage_of(arch.num_layers, groups.pp_rank)
     specs = {flag: _layer_spec(arch, bool(flag)) for flag in set(pattern)}
-    local = [specs[flag] for flag in pattern[first:first + per_stage]]
+    local = [specs[flag] for flag in pattern[first:first + count]]
     if uses_transformer_engine():
         from megatron.core.extensions.transformer_engine import TENorm as norm
     else:
@@ -112,6 +111,19 @@ def _llama3_frequencies(model, scaling: RopeScaling) -> None:
         original_max_position_embeddings=scaling.original_max_position_embeddings)
 
 
+_ANNOUNCED: set = set()
+
+
+def _announce_split(layout, num_layers: int) -> None:
+    """The one line saying how uneven pipeline stages were split (rank 0, once per split)."""
+    import torch.distributed as dist
+
+    line = layout.describe_stages(num_layers)
+    if line and line not in _ANNOUNCED and (not dist.is_initialized() or dist.get_rank() == 0):
+        _ANNOUNCED.add(line)
+        print(f"[model] {line}", flush=True)
+
+
 def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = torch.float32,
                 padded_vocab: int | None = None, options: ModelOptions | None = None):
     """Build this rank's stage of ``arch`` under ``groups``' layout.
@@ -130,7 +142,9 @@ def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = to
     options = replace(options or ModelOptions(), expert_tensor_parallel_size=layout.etp)
     config = transformer_config(arch, layout.tp, layout.pp, dtype,
                                 use_cpu_initialization=platform_is_cpu(), ep=layout.ep,
-                                options=options)
+                                options=options,
+                                stage_ends=layout.stage_ends(arch.num_layers))
+    _announce_split(layout, arch.num_layers)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_specs(arch, groups),

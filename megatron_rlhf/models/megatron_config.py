@@ -79,8 +79,10 @@ def _mla_kwargs(arch: ModelArch) -> dict:
 
 def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype,
                        use_cpu_initialization: bool, ep: int = 1,
-                       options: ModelOptions | None = None):
-    """The ``TransformerConfig`` (``MLATransformerConfig`` for MLA) for ``arch`` under a layout."""
+                       options: ModelOptions | None = None,
+                       stage_ends: tuple[int | None, int | None] = (None, None)):
+    """The ``TransformerConfig`` (``MLATransformerConfig`` for MLA) for ``arch`` under a layout;
+    ``stage_ends``: layers of the first and last pipeline stage when they differ."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     options = options or ModelOptions()
@@ -107,6 +109,8 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype,
         fp16=dtype == torch.float16,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        num_layers_in_first_pipeline_stage=stage_ends[0],
+        num_layers_in_last_pipeline_stage=stage_ends[1],
         expert_model_parallel_size=ep,
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
