@@ -10,6 +10,7 @@ Each export is checked tensor by tensor against the source before it is deleted.
 
     python benchmarks/export_memory.py                  # ~1 GB and ~4 GB models
     python benchmarks/export_memory.py --layers 4 20    # a quick run
+    python benchmarks/export_memory.py --verify both    # what the read-back verification adds
 """
 
 from __future__ import annotations
@@ -115,47 +116,55 @@ def _size_arg(nbytes: int) -> str:
     return f"{nbytes // MiB}MB" if nbytes < GiB else f"{nbytes // GiB}GB"
 
 
-def run(root: Path, layer_counts: list[int], shard_sizes: list[int]) -> list[dict]:
+def run(root: Path, layer_counts: list[int], shard_sizes: list[int],
+        verify_modes: tuple[bool, ...] = (True,)) -> list[dict]:
     baseline, _ = peak_rss([sys.executable, "-c", "import megatron.core.dist_checkpointing, "
                             "megatron_rlhf.cli, megatron_rlhf.convert.streaming_export"])
     rows = [{"model": "imports only", "shard": "-", "peak": baseline, "seconds": 0.0}]
     for layers in layer_counts:
         hf, mcore = root / f"hf-{layers}", root / f"mcore-{layers}"
         model_bytes = write_random_model(hf, layers)
-        to_mcore, seconds = peak_rss(_cli("convert", "hf-to-mcore", "--hf-dir", str(hf),
-                                          "--out-dir", str(mcore)))
         label = f"{layers} layers, {model_bytes / GiB:.2f} GiB"
-        rows.append({"model": label, "direction": "hf-to-mcore", "shard": "-",
-                     "files": len(list(hf.glob("*.safetensors"))), "peak": to_mcore,
-                     "seconds": seconds})
-        print(f"[{label}] hf-to-mcore: peak {to_mcore / GiB:.2f} GiB, {seconds:.0f} s", flush=True)
+        for verify in verify_modes:
+            flag = [] if verify else ["--no-verify"]
+            shutil.rmtree(mcore, ignore_errors=True)
+            to_mcore, seconds = peak_rss(_cli("convert", "hf-to-mcore", "--hf-dir", str(hf),
+                                              "--out-dir", str(mcore), *flag))
+            rows.append({"model": label, "direction": "hf-to-mcore", "shard": "-",
+                         "verify": verify, "files": len(list(hf.glob("*.safetensors"))),
+                         "peak": to_mcore, "seconds": seconds})
+            print(f"[{label}] hf-to-mcore verify={verify}: peak {to_mcore / GiB:.2f} GiB, "
+                  f"{seconds:.0f} s", flush=True)
         for shard in shard_sizes:
-            out = root / f"export-{layers}-{shard}"
-            peak, seconds = peak_rss(_cli("convert", "mcore-to-hf", "--mcore-dir", str(mcore),
-                                          "--out-dir", str(out), "--max-shard-size",
-                                          _size_arg(shard)))
-            count = same_tensors(hf, out)
-            files = len(list(out.glob("*.safetensors")))
-            rows.append({"model": label, "direction": "mcore-to-hf", "shard": _size_arg(shard),
-                         "files": files,
-                         "tensors": count, "peak": peak, "seconds": seconds})
-            print(f"[{label}] mcore-to-hf --max-shard-size {_size_arg(shard)}: peak "
-                  f"{peak / GiB:.2f} GiB, {files} files, {count} tensors equal, {seconds:.0f} s",
-                  flush=True)
-            shutil.rmtree(out)
+            for verify in verify_modes:
+                out = root / f"export-{layers}-{shard}"
+                flag = [] if verify else ["--no-verify"]
+                peak, seconds = peak_rss(_cli("convert", "mcore-to-hf", "--mcore-dir", str(mcore),
+                                              "--out-dir", str(out), "--max-shard-size",
+                                              _size_arg(shard), *flag))
+                count = same_tensors(hf, out)
+                files = len(list(out.glob("*.safetensors")))
+                rows.append({"model": label, "direction": "mcore-to-hf", "verify": verify,
+                             "shard": _size_arg(shard), "files": files,
+                             "tensors": count, "peak": peak, "seconds": seconds})
+                print(f"[{label}] mcore-to-hf --max-shard-size {_size_arg(shard)} verify={verify}:"
+                      f" peak {peak / GiB:.2f} GiB, {files} files, {count} tensors equal, "
+                      f"{seconds:.0f} s", flush=True)
+                shutil.rmtree(out)
         shutil.rmtree(hf)
         shutil.rmtree(mcore)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n| model | direction | --max-shard-size | files | peak RSS (GiB) "
+    print("\n| model | direction | --max-shard-size | verify | files | peak RSS (GiB) "
           "| peak - imports (GiB) | time (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     base = rows[0]["peak"]
     for row in rows:
         extra = "-" if row["model"] == "imports only" else f"{(row['peak'] - base) / GiB:.2f}"
-        print(f"| {row['model']} | {row.get('direction', '-')} | {row['shard']} | "
+        verify = {True: "yes", False: "no"}.get(row.get("verify"), "-")
+        print(f"| {row['model']} | {row.get('direction', '-')} | {row['shard']} | {verify} | "
               f"{row.get('files', '-')} | "
               f"{row['peak'] / GiB:.2f} | {extra} | {row['seconds']:.0f} |")
 
@@ -167,13 +176,16 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=int, nargs="+", default=[5 * 1024, 500],
                         help="--max-shard-size values in MiB")
     parser.add_argument("--work-dir", default=None, help="scratch folder (default: a new /tmp one)")
+    parser.add_argument("--verify", choices=("on", "off", "both"), default="on",
+                        help="conversions with their read-back verification, without, or both")
     args = parser.parse_args()
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="export_memory_"))
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     print(f"scratch {root}: {free / GiB:.0f} GiB free", flush=True)
     try:
-        rows = run(root, args.layers, [mb * MiB for mb in args.shard_mb])
+        modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.verify]
+        rows = run(root, args.layers, [mb * MiB for mb in args.shard_mb], modes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_table(rows)
