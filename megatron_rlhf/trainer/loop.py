@@ -66,6 +66,18 @@ class Run:
         return path
 
 
+def run_job(name: str, config, setup: Callable[[object], Run]) -> dict[str, float]:
+    """A supervised job from its validated config: nothing when it already finished; else the
+    stop signals caught from before the (long) set-up until the job returns."""
+    if already_finished(name, config):
+        return {}
+    stop = StopRequest(config.trainer, name).install()
+    try:
+        return fit(setup(config), stop)
+    finally:
+        stop.uninstall()  # the signals' own handlers again (a caller running several jobs)
+
+
 def already_finished(name: str, config) -> bool:
     """A run whose ``finished.json`` matches ``config``: one line, and nothing else to do."""
     from megatron_rlhf.distributed.launch import discover_rank

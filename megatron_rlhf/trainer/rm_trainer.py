@@ -27,8 +27,7 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
                                           training_dtype)
-from megatron_rlhf.trainer.lifecycle import StopRequest
-from megatron_rlhf.trainer.loop import Run, already_finished, epoch_order, fit
+from megatron_rlhf.trainer.loop import Run, epoch_order, run_job
 from megatron_rlhf.trainer.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
 
@@ -181,10 +180,4 @@ def setup(config: RMConfig) -> Run:
 
 def train_rm(config: RMConfig) -> dict[str, float]:
     validate_rm_config(config)
-    if already_finished("train-rm", config):
-        return {}
-    stop = StopRequest(config.trainer, "train-rm").install()  # before the long set-up
-    try:
-        return fit(setup(config), stop)
-    finally:
-        stop.uninstall()  # the signals' own handlers again (a caller running several jobs)
+    return run_job("train-rm", config, setup)

@@ -32,8 +32,7 @@ from megatron_rlhf.models.forward import pipeline_forward, token_cross_entropy
 from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
                                           training_dtype)
-from megatron_rlhf.trainer.lifecycle import StopRequest
-from megatron_rlhf.trainer.loop import Run, already_finished, epoch_order, fit
+from megatron_rlhf.trainer.loop import Run, epoch_order, run_job
 
 METRIC_KEYS = ["loss", "target_tokens", "count", "tokens"]
 
@@ -173,10 +172,4 @@ def setup(config: SFTConfig) -> Run:
 
 def train_sft(config: SFTConfig) -> dict[str, float]:
     validate_sft_config(config)
-    if already_finished("sft", config):
-        return {}
-    stop = StopRequest(config.trainer, "sft").install()  # before the long set-up
-    try:
-        return fit(setup(config), stop)
-    finally:
-        stop.uninstall()  # the signals' own handlers again (a caller running several jobs)
+    return run_job("sft", config, setup)
