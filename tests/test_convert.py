@@ -458,19 +458,19 @@ def test_a_checkpoint_that_differs_from_its_source_is_named_and_left_incomplete(
 
 
 def test_an_exported_file_that_reads_back_wrong_is_named_and_left_incomplete(tiny_models, tmp_path, capsys, monkeypatch):
-    from megatron_rlhf.convert import verify
+    from megatron_rlhf.convert import compare
 
     mcore = tmp_path / "mcore"
     assert main(["convert", "hf-to-mcore", "--hf-dir", str(tiny_models["qwen2_policy"]),
                  "--out-dir", str(mcore), "--no-verify"]) == 0
     name = "model.embed_tokens.weight"
-    real = verify.check_written_shard
+    real = compare.check_written_shard
 
     def corrupted_on_disk(path, tensors):
         _perturbed(path, name)
         return real(path, tensors)
 
-    monkeypatch.setattr(verify, "check_written_shard", corrupted_on_disk)
+    monkeypatch.setattr(compare, "check_written_shard", corrupted_on_disk)
     out = tmp_path / "hf"
     assert main(["convert", "mcore-to-hf", "--mcore-dir", str(mcore), "--out-dir", str(out)]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]

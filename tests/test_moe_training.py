@@ -67,7 +67,9 @@ def test_moe_losses_enter_the_objective_and_are_logged(sft_ep2):
 
 def test_kill_9_at_ep2_and_resume_reproduces_the_run_exactly(sft_ep2, moe_workspaces, tmp_path):
     """kill -9 once step 3 is logged (after the step-2 save); the rerun resumes from step 2 and
-    logs the uninterrupted run's losses bit for bit (same process layout)."""
+    logs the uninterrupted run's losses bit for bit (same process layout). The signal reaches
+    the launcher alone (torch elastic gives each rank a session of its own): the ranks must die
+    with it, or they finish the run on their own before the rerun starts."""
     import os
     import signal
     import time

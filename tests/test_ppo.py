@@ -366,10 +366,13 @@ def test_sppo_runs_at_tp2_with_packing_and_resumes_exactly(workspace, tmp_path):
 
 def test_kills_at_seeded_moments_and_a_stop_signal_end_as_the_uninterrupted_run(workspace, uninterrupted, tmp_path):
     """The whole process tree (driver, Ray, workers) SIGKILLed at start-up, during a save and
-    mid-step, and SIGUSR1 to the driver mid-step (again during the stop's save), each time
-    relaunched with the same command: every logged value and TensorBoard point equals the
-    uninterrupted run's, no row missing or doubled; a finished run relaunched does nothing."""
+    mid-step, SIGUSR1 to the driver mid-step (again during the stop's save) and SIGTERM to one
+    of its workers, each time relaunched with the same command: every logged value and
+    TensorBoard point equals the uninterrupted run's, no row missing or doubled; a finished run
+    relaunched does nothing."""
     import random
+
+    import psutil
 
     from megatron_rlhf.errors import EXIT_STOPPED
     from tests.interrupt import (kill_tree, launch, leftovers, rows, saving, scalars, steady,
@@ -378,17 +381,30 @@ def test_kills_at_seeded_moments_and_a_stop_signal_end_as_the_uninterrupted_run(
     reference = uninterrupted[0]
     out, log = tmp_path / "run", tmp_path / "run.log"
     args = ["ppo", *overrides(workspace, out, *FULL_RUN)]
-    updates = lambda: [r["step"] for r in rows(out) if "actor/pg_loss" in r]  # noqa: E731
     moments = random.Random(26)
+
+    def a_step_done(proc) -> bool:
+        """This launch logged a step (metrics.jsonl still holds the killed launch's rows until
+        the resume trims them, so its progress lines are counted instead)."""
+        seen = log.read_text().count("/6 | ")
+        return wait_until(proc, lambda: log.read_text().count("/6 | ") > seen)
+
     proc = launch(args, log)  # start-up: Ray and the workers coming up
     time.sleep(moments.uniform(2.0, 8.0))
     kill_tree(proc)
+    proc = launch(args, log)  # SIGTERM to a worker itself, as srun signals every task
+    assert a_step_done(proc)
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if "RankActor" in " ".join(p.cmdline())]
+    assert workers
+    workers[0].send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == EXIT_STOPPED, log.read_text()[-3000:]
+    assert "SIGTERM received by worker group actor" in log.read_text()
     proc = launch(args, log)  # a save
     assert wait_until(proc, lambda: saving(out)), log.read_text()[-3000:]
     kill_tree(proc)
     proc = launch(args, log)  # a stop signal mid-step, another during the stop's save
-    done = len(updates())
-    assert wait_until(proc, lambda: len(updates()) > done)
+    assert a_step_done(proc)
     time.sleep(moments.uniform(0.0, 1.0))
     proc.send_signal(signal.SIGUSR1)
     if wait_until(proc, lambda: saving(out)):
@@ -396,8 +412,7 @@ def test_kills_at_seeded_moments_and_a_stop_signal_end_as_the_uninterrupted_run(
     assert proc.wait(timeout=600) == EXIT_STOPPED, log.read_text()[-3000:]
     assert "stopped at step" in log.read_text()
     proc = launch(args, log)  # mid-step: a rollout or an update
-    done = len(updates())
-    assert wait_until(proc, lambda: len(updates()) > done)
+    assert a_step_done(proc)
     time.sleep(moments.uniform(0.2, 1.5))
     kill_tree(proc)
     proc = launch(args, log)

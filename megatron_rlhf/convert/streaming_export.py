@@ -27,6 +27,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rlhf.checkpoint.model_ckpt import CheckpointInfo, read_sharded
+from megatron_rlhf.convert import compare
 from megatron_rlhf.convert.hf_io import copy_hf_assets, shard_file_name, write_index, write_shard
 from megatron_rlhf.convert.mapping import Rule, layer_offsets, mapped_parameters, rule_for
 from megatron_rlhf.distributed.layout import ParallelGroups
@@ -208,8 +209,6 @@ def export_hf(info: CheckpointInfo, out: Path, groups: ParallelGroups,
     never leaves a folder that looks finished. ``out`` must be on a filesystem all ranks share.
     ``verify``: each shard is read back from its file and compared with what was written.
     """
-    from megatron_rlhf.convert.verify import agree, check_written_shard
-
     if groups.layout.tp * groups.layout.pp * groups.layout.ep != 1:
         raise ValueError("export_hf reads the full model: build groups with tp=pp=ep=1")
     _return_freed_tensors_to_the_os()
@@ -227,10 +226,10 @@ def export_hf(info: CheckpointInfo, out: Path, groups: ParallelGroups,
         if index is not None:
             write_shard(partial / plan.file_name(index), tensors)
             if verify and found is None:
-                found = check_written_shard(partial / plan.file_name(index), tensors)
+                found = compare.check_written_shard(partial / plan.file_name(index), tensors)
         del tensors
     if verify:
-        agree(found, "convert mcore-to-hf", partial)
+        compare.agree(found, "convert mcore-to-hf", partial)
         if rank == 0:
             print(f"verified: {len(plan.weight_map())} tensors read back from the written files "
                   "equal what was written, bitwise", flush=True)

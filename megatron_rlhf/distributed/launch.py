@@ -112,6 +112,7 @@ def init_distributed(timeout_minutes: int = 30) -> RankInfo:
     apply_platform()
     if dist.is_initialized():
         return info
+    _die_with_launcher()
     port = info.master_port or _free_port()
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
@@ -124,6 +125,23 @@ def init_distributed(timeout_minutes: int = 30) -> RankInfo:
         timeout=datetime.timedelta(minutes=timeout_minutes),
     )
     return info
+
+
+def _die_with_launcher() -> None:
+    """torch elastic (torchrun, ``--nproc-per-node``) starts each rank in a session of its own,
+    so a launcher killed outright (SIGKILL, the OOM killer, a closed terminal's group kill) would
+    leave its ranks training on, writing the run's folder while a relaunch starts beside them.
+    On Linux they are made to die with it instead."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0):
+        return  # not permitted here: the ranks outlive a killed launcher, as torchrun's do
+    if os.getppid() == 1:  # the launcher died before the request was made
+        os._exit(1)
 
 
 def inside_launch() -> bool:
