@@ -1,0 +1,146 @@
+"""What megatron allocates for a trained model after one optimizer step, per rank, next to what
+the planner says: weights, gradient buffers and optimizer state (distributed optimizer on and
+off, fp32 and bf16, dense, expert and tied-embedding buffers), and the bytes autograd saves for
+backward in the decoder (no, selective and full recompute). Run by tests/test_planner_memory.py.
+Usage: torchrun --nproc-per-node 2 tests/dist_memory.py MODELS_ROOT FAMILIES_ROOT OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
+from megatron_rlhf.convert.checkpoints import read_hf_arch  # noqa: E402
+from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
+from megatron_rlhf.models.builder import build_model  # noqa: E402
+from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
+from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
+from megatron_rlhf.planning.activations import Workload, decoder_saved_bytes  # noqa: E402
+from megatron_rlhf.planning.memory import train_state_bytes  # noqa: E402
+from megatron_rlhf.planning.params import rank_tensors  # noqa: E402
+from megatron_rlhf.trainer.engine import make_trainable, train_step  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dist_parity import layout_groups  # noqa: E402
+
+# name -> (model, (tp, pp, dp, ep), dtype, distributed optimizer)
+STATE_CASES = {
+    f"{model}/{label}/{dtype}/{'dist' if dist_opt else 'plain'}": (model, layout, dtype, dist_opt)
+    for model, label, layout, dtypes in (
+        ("qwen2_policy", "dp2", (1, 1, None, 1), ("float32", "bfloat16")),
+        ("qwen3_moe", "ep2_dp2", (1, 1, None, 2), ("float32",)),
+        ("llama_policy", "pp2_tied", (1, 2, None, 1), ("float32",)),
+    )
+    for dtype in dtypes for dist_opt in (False, True)
+}
+ACTIVATION_MODELS = ("qwen2_policy", "qwen3_moe", "deepseek_v3")
+RECOMPUTE = {"none": ModelOptions(),
+             "selective": ModelOptions(recompute_granularity="selective",
+                                       recompute_modules=("core_attn",)),
+             "full": ModelOptions(recompute_granularity="full", recompute_method="uniform",
+                                  recompute_num_layers=1)}
+
+
+def _storages(tensors) -> dict[int, int]:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def measured_state(trainable) -> dict[str, int]:
+    model = trainable.model
+    params = _storages(p.data for p in model.parameters())
+    buffers = [*model.buffers, *model.expert_parallel_buffers]
+    grads = _storages(b.grad_data for b in buffers)
+    optimizers = getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
+    state = {}
+    for optimizer in optimizers:
+        torch_optimizer = optimizer.optimizer
+        for group in torch_optimizer.param_groups:
+            for main in group["params"]:
+                state.update(_storages([main]))  # fp32 copies of bf16 weights; else the weights
+                state.update(_storages(v for k, v in torch_optimizer.state[main].items()
+                                       if k != "step" and torch.is_tensor(v)))
+    optimizer_only = {k: v for k, v in state.items() if k not in params and k not in grads}
+    return {"weights": sum(params.values()), "gradients": sum(grads.values()),
+            "optimizer": sum(optimizer_only.values())}
+
+
+def _loss(output, batch):
+    return output.float().square().mean(), {}
+
+
+def state_case(path: Path, layout: tuple, dtype: str, distributed: bool) -> dict:
+    arch = read_hf_arch(path)
+    tp, pp, dp, ep = layout
+    groups = layout_groups((tp, pp, dp, ep), arch.shape)
+    torch_dtype = getattr(torch, dtype)
+    padded = padded_vocab_size(arch.vocab_size, tp)
+    model = build_model(arch, groups, torch_dtype, padded)
+    trainable = make_trainable(model, groups, OptimConfig(lr=1e-4), 10, distributed)
+    tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    train_step(trainable, [{"input_ids": tokens}], _loss)
+    layout = groups.layout
+    planned = train_state_bytes(
+        rank_tensors(arch, layout, groups.pp_rank, padded_vocab=padded), layout.dp,
+        layout.tp * layout.dp // (layout.ep * layout.etp), torch_dtype.itemsize, distributed,
+        ranks=(groups.dp_rank, dist.get_rank(groups.collection.expt_dp)))
+    return {"measured": measured_state(trainable),
+            "planned": {"weights": planned.weights, "gradients": planned.gradients,
+                        "optimizer": planned.optimizer}}
+
+
+def saved_bytes(path: Path, options: ModelOptions, batch: int, seq: int) -> dict:
+    """Bytes autograd keeps for backward from the decoder's forward (weights excluded)."""
+    arch = read_hf_arch(path)
+    groups = layout_groups((1, 1, None, 1), arch.shape)
+    model = build_model(arch, groups, torch.float32, padded_vocab_size(arch.vocab_size),
+                        options=options)
+    model.train()
+    weights = set(_storages(p.data for p in model.parameters()))
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(seq).expand(batch, seq)
+    hidden = model.embedding(tokens, positions).detach().requires_grad_()
+    rotary = model.rotary_pos_emb(seq) if getattr(model, "rotary_pos_emb", None) is not None else None
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.decoder(hidden, attention_mask=None, rotary_pos_emb=rotary)
+    return {"measured": sum(kept.values()), "arch": arch}
+
+
+def main() -> None:
+    models, families, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    init_distributed()
+    where = lambda name: models / name if (models / name).is_dir() else families / name  # noqa: E731
+    results = {}
+    for label, (name, layout, dtype, distributed) in STATE_CASES.items():
+        result = state_case(where(name), layout, dtype, distributed)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result)
+        results[f"state/{label}"] = everyone
+    for name in ACTIVATION_MODELS:
+        for mode, options in RECOMPUTE.items():
+            for batch, seq in ((2, 64), (1, 96)):
+                found = saved_bytes(where(name), options, batch, seq)
+                planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 4), mode)
+                results[f"saved/{name}/{mode}/b{batch}s{seq}"] = {"measured": found["measured"],
+                                                                  "planned": planned}
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The planner's memory terms against what runs here: weights, gradient buffers and optimizer
+state equal what megatron allocates after one step (every rank; DP=2 with and without the
+distributed optimizer, fp32 and bf16, an expert buffer at EP=2, a tied embedding over PP=2),
+activations are within 15% of the bytes autograd saves (no, selective and full recompute;
+dense GQA, MoE and MLA), KV cache per token equals transformers' cache (GQA and MLA)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlhf.convert.checkpoints import read_hf_arch
+from megatron_rlhf.planning.activations import kv_bytes_per_token
+from tests.torchrun import torchrun_results
+
+SCRIPT = Path(__file__).with_name("dist_memory.py")
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_models, family_models, tmp_path_factory):
+    models = next(iter(tiny_models.values())).parent
+    families = next(iter(family_models.values())).parent
+    return torchrun_results(SCRIPT, 2, models, families,
+                            out=tmp_path_factory.mktemp("memory") / "results.json")
+
+
+def test_weights_gradients_and_optimizer_state_are_exact(measured):
+    cases = {k: v for k, v in measured.items() if k.startswith("state/")}
+    assert len(cases) == 8
+    for label, ranks in cases.items():
+        for rank, case in enumerate(ranks):
+            assert case["planned"] == case["measured"], (label, rank)
+    # The cases differ where megatron differs: the distributed optimizer's padding and shards,
+    # bf16's fp32 main weights, the stages of a pipeline.
+    plain, sharded = (measured[f"state/qwen2_policy/dp2/float32/{k}"][0]["measured"]
+                      for k in ("plain", "dist"))
+    assert sharded["gradients"] > plain["gradients"] and sharded["optimizer"] < plain["optimizer"]
+    bf16 = measured["state/qwen2_policy/dp2/bfloat16/plain"][0]["measured"]
+    assert bf16["optimizer"] == 1.5 * plain["optimizer"]
+    first, last = measured["state/llama_policy/pp2_tied/float32/dist"]
+    assert first["measured"]["weights"] != last["measured"]["weights"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_policy", "qwen3_moe", "deepseek_v3"])
+def test_activations_are_within_15_percent_of_what_autograd_saves(measured, family):
+    cases = {k: v for k, v in measured.items() if k.startswith(f"saved/{family}/")}
+    assert len(cases) == 6
+    for label, case in cases.items():
+        assert 0.85 <= case["planned"] / case["measured"] <= 1.15, (label, case)
+    none, full = (measured[f"saved/{family}/{mode}/b2s64"]["measured"] for mode in ("none", "full"))
+    assert full < none / 5
+
+
+def _cache_bytes(cache) -> int:
+    layers = getattr(cache, "layers", None)
+    pairs = [(layer.keys, layer.values) for layer in layers] if layers is not None else \
+        list(zip(cache.key_cache, cache.value_cache))
+    return sum(t.numel() * t.element_size() for pair in pairs for t in pair)
+
+
+@pytest.mark.parametrize("name", ["qwen2_policy", "deepseek_v3"])
+def test_kv_cache_per_token_equals_the_engines_cache(tiny_models, family_models, name):
+    """The ``hf`` engine generates with transformers' cache: its bytes per token (GQA: K and V
+    per KV head; MLA: the latent and the RoPE key) are the planner's."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_models.get(name) or family_models[name]
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, 200, (3, 11))
+    with torch.no_grad():
+        cache = model(tokens, use_cache=True).past_key_values
+    per_token = _cache_bytes(cache) / tokens.numel()
+    assert per_token == kv_bytes_per_token(read_hf_arch(path), 4)
