@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--num-resamples", type=_count, default=2000, help="bootstrap resamples")
     _add_layout(ab)  # of the Megatron models (policies, reward model)
 
+    plan = jobs.add_parser("plan", help="per-GPU memory of a model's layouts on N GPUs (config.json only)")
+    from megatron_rlhf.planning.command import add_arguments
+
+    add_arguments(plan)
+
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
     demo.add_argument("--seed", type=int, default=0,
@@ -218,6 +223,10 @@ def _check_score_io(args) -> None:
 def run(args) -> int:
     from megatron_rlhf.distributed.layout import ParallelLayout
 
+    if args.job == "plan":
+        from megatron_rlhf.planning.command import run_plan
+
+        return run_plan(args)
     if args.job == "convert" and args.direction == "mcore-to-hf":
         from megatron_rlhf.convert.checkpoints import mcore_to_hf
 
@@ -280,7 +289,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_rlhf.config.stopping import JOB_START_ENV
 
-    os.environ.setdefault(JOB_START_ENV, f"{time.time():.3f}")  # trainer.stop_at durations
+    # trainer.stop_at durations count from here, for the ranks and workers this job starts;
+    # an in-process caller's next job starts its own clock.
+    started_here = JOB_START_ENV not in os.environ
+    os.environ.setdefault(JOB_START_ENV, f"{time.time():.3f}")
+    try:
+        return _main(argv)
+    finally:
+        if started_here:
+            os.environ.pop(JOB_START_ENV, None)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     from megatron_rlhf.distributed.launch import inside_launch, quiet_cpu_warnings, relaunch

@@ -73,6 +73,9 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _choice("actor.dtype", a.dtype, ("auto", "float32", "bfloat16"))
     _choice("rollout.backend", r.backend, ("hf", "sglang"))
+    if not 0 < r.gpu_memory_utilization < 1:
+        raise UserError(f"config: rollout.gpu_memory_utilization={r.gpu_memory_utilization} must "
+                        "be between 0 and 1 (a fraction of each GPU)")
     _choice("resource_pool.critic", cfg.resource_pool.critic, ("shared", "separate"))
     check_parallel("actor.parallel", a.parallel, a.moe)
     if cfg.critic.parallel is not None:

@@ -248,6 +248,8 @@ class RolloutConfig:
     retry_feedback: str = "That is not right. Try again."
     bucket_size_mb: float = 512.0
     """Weight-sync bucket: at most this many MiB of weights in flight per rank."""
+    gpu_memory_utilization: float = 0.4
+    """SGLang's static memory (weights + KV cache) per GPU, as a fraction of the GPU."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
 

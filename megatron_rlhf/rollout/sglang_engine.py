@@ -28,7 +28,7 @@ class SGLangGenerator:
             self.engine = sglang.Engine(
                 model_path=hf_dir, tp_size=cfg.tp, dtype=str(dtype).removeprefix("torch."),
                 load_format="dummy",  # real weights arrive with the first sync
-                enable_memory_saver=True, mem_fraction_static=0.5,
+                enable_memory_saver=True, mem_fraction_static=cfg.gpu_memory_utilization,
                 base_gpu_id=torch.cuda.current_device(), random_seed=cfg.seed)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,198 @@
+"""``megatron-rlhf plan``: per-GPU memory of every layout of a model on N GPUs, before booking them.
+
+A layout's memory is that of its heaviest pipeline stage. A rank keeps its models' state
+(:mod:`~megatron_rlhf.planning.memory`) the whole run; on top of it either the training working
+set (activations of the micro-batches the 1F1B schedule has in flight on that stage, the
+largest layer rebuilt under full recompute, the logits on the last stage) or, for PPO with a
+colocated engine, the rollout engine (its static memory fraction for SGLang; weights and the
+batch's KV cache for the ``hf`` engine), whichever is larger. docs/planner.md gives every formula
+and where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from megatron_rlhf.distributed.layout import ParallelLayout
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
+from megatron_rlhf.planning.activations import (Workload, decoder_saved_bytes, kv_bytes_per_token,
+                                                logits_bytes, recompute_working_bytes)
+from megatron_rlhf.planning.memory import train_state_bytes
+from megatron_rlhf.planning.params import RankParams, model_params, rank_tensors
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A colocated rollout engine on the trainer's GPUs."""
+
+    backend: str = "sglang"
+    tp: int = 1  # GPUs per engine
+    memory_fraction: float = 0.4  # SGLang's static pool (weights + KV) per GPU
+    rows: int = 1  # sequences one engine holds at once (hf engine: its whole share)
+    seq: int = 1  # prompt + response tokens
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a layout is evaluated for. Batch units: ``micro_batch`` rows (sequences) per
+    micro-batch per data-parallel rank, ``global_batch`` rows per optimizer step, all ranks."""
+
+    job: str = "sft"  # sft | train-rm | ppo
+    seq: int = 4096
+    micro_batch: int = 1
+    global_batch: int = 256
+    recompute: str = "none"  # none | selective | full
+    distributed_optimizer: bool = True
+    optimizer_offload: bool = False
+    param_bytes: int = 2  # bf16
+    kernels: str = "te"
+    critic: bool = False
+    reference: bool = False
+    reward_model: bool = False
+    rollout: Rollout | None = None
+    offload_during_rollout: bool = False
+
+
+@dataclass
+class LayoutPlan:
+    layout: ParallelLayout
+    stages: list[int]
+    max_rank_params: int
+    terms: dict[str, float]
+    total: float
+    fits: bool
+    largest: str
+    notes: list[str] = field(default_factory=list)
+    why: str = ""
+
+    def as_json(self) -> dict:
+        lay = self.layout
+        return {"tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
+                "stages": self.stages, "max_rank_params": self.max_rank_params,
+                "bytes_per_gpu": {k: int(v) for k, v in self.terms.items()},
+                "total_bytes_per_gpu": int(self.total), "fits": self.fits,
+                "largest_term": self.largest, "why": self.why, "notes": self.notes}
+
+
+def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int, run: Run,
+                 hw: Hardware) -> tuple[dict[str, float], int]:
+    padded = padded_vocab_size(arch.vocab_size, layout.tp)
+    expert_dp = layout.tp * layout.dp // (layout.ep * layout.etp)
+    tensors = rank_tensors(arch, layout, stage, padded_vocab=padded)
+    state = train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes,
+                              run.distributed_optimizer, run.optimizer_offload)
+    first, count = layout.stage_of(arch.num_layers, stage)
+    layers, last = range(first, first + count), stage == layout.pp - 1
+    w = Workload(run.micro_batch, run.seq, run.param_bytes, layout.tp, layout.tp > 1)
+    micro_batches = max(run.global_batch // (layout.dp * run.micro_batch), 1)
+    in_flight = min(layout.pp - stage, micro_batches)
+    saved = decoder_saved_bytes(arch, w, run.recompute, layers, run.kernels, final_norm=last)
+    terms = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
+             "activations": saved * in_flight + recompute_working_bytes(
+                 arch, w, run.recompute, layers, run.kernels),
+             "logits": logits_bytes(arch, w, padded) if last else 0.0}
+    value = replace(arch, kind="value")
+    if run.critic:
+        critic = train_state_bytes(rank_tensors(value, layout, stage, padded_vocab=padded),
+                                   layout.dp, expert_dp, run.param_bytes,
+                                   run.distributed_optimizer, run.optimizer_offload)
+        terms["critic"] = critic.weights + critic.gradients + critic.optimizer
+    weights_only = lambda a: sum(t.numel for t in rank_tensors(a, layout, stage, padded_vocab=padded))  # noqa: E731
+    if run.reference:
+        terms["reference"] = weights_only(arch) * run.param_bytes
+    if run.reward_model:
+        terms["reward_model"] = weights_only(value) * run.param_bytes
+    params = RankParams.of(tensors).total
+    return terms, params
+
+
+def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[str]]:
+    r = run.rollout
+    weights = model_params(arch) * run.param_bytes / r.tp
+    kv = kv_bytes_per_token(arch, run.param_bytes, r.tp)
+    if r.backend == "sglang":
+        pool = r.memory_fraction * hw.gpu_mem_gib * GIB
+        room = pool - weights
+        if room <= 0:
+            return pool, [f"rollout engine: weights ({weights / GIB:.1f} GiB per GPU at "
+                          f"rollout.tp={r.tp}) exceed gpu_memory_utilization={r.memory_fraction}"
+                          f" of the GPU"]
+        tokens = room / kv
+        notes = [f"rollout engine: KV cache for {tokens:,.0f} tokens per engine "
+                 f"({tokens / max(r.seq, 1):,.0f} sequences of {r.seq})"]
+        return pool, notes
+    return weights + kv * r.rows * r.seq, []
+
+
+def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) -> LayoutPlan:
+    """Per-GPU bytes of ``layout`` (resolved: dp known) for ``run``: its heaviest stage."""
+    stages = layout.stage_layers(arch.num_layers)
+    candidates = sorted({0, min(1, layout.pp - 1), layout.pp - 1})  # middle stages are alike
+    engine, notes = (_engine_bytes(arch, run, hw) if run.rollout else (0.0, []))
+    best = None
+    for stage in candidates:
+        terms, params = _stage_terms(arch, layout, stage, run, hw)
+        resident = sum(v for k, v in terms.items() if k not in ("activations", "logits"))
+        training = resident + terms["activations"] + terms["logits"]
+        rollout = engine + (0 if run.offload_during_rollout else resident)
+        if run.rollout:
+            terms["rollout_engine"] = engine
+        total = max(training, rollout)
+        if best is None or total > best[0]:
+            best = (total, terms, params)
+    total, terms, _ = best
+    max_params = max(_stage_terms(arch, layout, s, run, hw)[1] for s in candidates)
+    limit = hw.gpu_mem_gib * GIB
+    largest = max(terms, key=terms.get)
+    return LayoutPlan(layout, stages, max_params, terms, total, total <= limit, largest, notes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(arch: ModelArch, hw: Hardware) -> list[ParallelLayout]:
+    """Every layout the layout rules accept: TP within a node, PP with megatron-core's uneven
+    split where it does not divide the layers, EP over a stage's ranks, ETP 1."""
+    found = []
+    experts = arch.moe.num_experts if arch.moe else 0
+    for tp in _divisors(min(hw.gpus_per_node, hw.gpus)):
+        if hw.gpus % tp:
+            continue
+        for pp in _divisors(hw.gpus // tp):
+            if pp > arch.num_layers:
+                continue
+            for ep in (_divisors(experts) if experts else [1]):
+                try:
+                    found.append(ParallelLayout(tp=tp, pp=pp, ep=ep).resolve(hw.gpus, arch.shape))
+                except UserError:
+                    continue
+    return found
+
+
+def rank(plans: list[LayoutPlan], hw: Hardware, run: Run) -> list[LayoutPlan]:
+    """Fitting layouts first; among them the smallest pipeline bubble, then the least
+    tensor-parallel traffic, then the most memory to spare."""
+    micro = lambda p: max(run.global_batch // (p.layout.dp * run.micro_batch), 1)  # noqa: E731
+    bubble = lambda p: (p.layout.pp - 1) / (micro(p) + p.layout.pp - 1)  # noqa: E731
+    plans = sorted(plans, key=lambda p: (not p.fits, round(bubble(p), 3), p.layout.tp,
+                                         p.layout.ep, p.total))
+    limit = hw.gpu_mem_gib * GIB
+    for p in plans:
+        spare = (limit - p.total) / GIB
+        head = (f"fits with {spare:.1f} GiB to spare" if p.fits
+                else f"over by {-spare:.1f} GiB, largest term {p.largest}")
+        p.why = (f"{head}; pipeline bubble {bubble(p):.0%} ({micro(p)} micro-batches over "
+                 f"pp={p.layout.pp}); tp={p.layout.tp}"
+                 + (f", ep={p.layout.ep}" if p.layout.ep > 1 else ""))
+    return plans

@@ -1,0 +1,113 @@
+"""``megatron-rlhf plan`` on the full-size config.json fixtures: DeepSeek-V3 refused on 8 GPUs
+(its weights alone exceed them), NeMo-RL's and verl's DeepSeek-V3 layouts accepted on their
+published GPU counts (with the offloads those stacks use, refused without), the JSON fields,
+ranking, and one clear line for each kind of bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "configs" / "models"
+NEMO_RL = ["--model", str(MODELS / "deepseek-v3"), "--gpus", "256", "--config",
+           str(ROOT / "configs" / "ppo" / "deepseek_v3_grpo_256xh100.yaml")]
+VERL = ["--model", str(MODELS / "deepseek-v3"), "--gpus", "96", "--gpu-mem-gib", "96", "--config",
+        str(ROOT / "configs" / "ppo" / "deepseek_v3_grpo_96xh20.yaml"), "--optimizer-offload"]
+
+
+def plan(capsys, *args):
+    code = main(["plan", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_deepseek_v3_on_8_gpus_is_refused_naming_the_weights(capsys):
+    code, out, err = plan(capsys, "--model", MODELS / "deepseek-v3", "--gpus", 8, "--check")
+    assert code == 1 and "NO" in out and "yes" not in out
+    assert err.strip().splitlines()[-1].startswith("error: plan: nothing fits 80 GiB GPUs")
+    assert "weights alone need" in err
+
+
+@pytest.mark.parametrize("args", [NEMO_RL, VERL], ids=["nemo-rl-256xh100", "verl-96xh20"])
+def test_published_deepseek_v3_layouts_fit_on_their_gpu_counts(capsys, args):
+    code, out, err = plan(capsys, *args, "--offload-during-rollout", "--check", "--json")
+    assert code == 0, err
+    (layout,) = json.loads(out)["layouts"]
+    assert layout["fits"] and layout["total_bytes_per_gpu"] < 96 * 2 ** 30
+    assert {"weights", "gradients", "optimizer", "activations", "rollout_engine"} <= set(layout["bytes_per_gpu"])
+    # The engine's static pool and the trainer's state cannot both stay on the GPU.
+    code, _, err = plan(capsys, *args, "--check")
+    assert code == 1 and "rollout_engine" in err
+
+
+def test_json_lists_ranked_layouts_with_every_field(capsys):
+    code, out, _ = plan(capsys, "--model", MODELS / "qwen3-30b-a3b", "--gpus", 16, "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert abs(result["params_total"] / 30.5e9 - 1) < 0.005 and result["params_active"] < 4e9
+    layouts = result["layouts"]
+    assert len(layouts) > 10
+    for layout in layouts:
+        assert {"tp", "pp", "ep", "etp", "dp", "stages", "max_rank_params", "bytes_per_gpu",
+                "total_bytes_per_gpu", "fits", "why"} <= set(layout)
+        assert layout["tp"] * layout["pp"] * layout["dp"] == 16 and sum(layout["stages"]) == 48
+        assert layout["total_bytes_per_gpu"] >= layout["bytes_per_gpu"]["weights"]
+    fits = [layout["fits"] for layout in layouts]
+    assert fits == sorted(fits, reverse=True)  # fitting layouts first
+    assert any(layout["ep"] > 1 for layout in layouts) and any(layout["pp"] > 1 for layout in layouts)
+    # More expert parallelism holds fewer experts per GPU.
+    by_ep = {layout["ep"]: layout["max_rank_params"] for layout in layouts
+             if layout["tp"] == 1 and layout["pp"] == 1}
+    assert by_ep[8] < by_ep[2] < by_ep[1]
+
+
+def test_uneven_stages_are_planned_for_61_layers(capsys):
+    code, out, _ = plan(capsys, "--model", MODELS / "deepseek-v3", "--gpus", 256, "--json")
+    layouts = json.loads(out)["layouts"]
+    uneven = [layout for layout in layouts if layout["pp"] == 16]
+    assert uneven and all(sum(layout["stages"]) == 61 for layout in uneven)
+    assert any(layout["fits"] for layout in layouts)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_bad_input_is_one_clear_line(capsys, tmp_path):
+    (tmp_path / "gpt2").mkdir()
+    _write(tmp_path / "gpt2" / "config.json", json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    cases = {
+        "supported": ("--model", tmp_path / "gpt2", "--gpus", 8),
+        "config.json": ("--model", tmp_path, "--gpus", 8),
+        "not divisible": ("--model", MODELS / "qwen2.5-7b", "--gpus", 12, "--config",
+                          _write(tmp_path / "tp8.yaml", "model: {path: x}\nparallel: {tp: 8}\n")),
+        "cannot share evenly": ("--model", MODELS / "deepseek-v3", "--gpus", 64, "--config",
+                          _write(tmp_path / "split.yaml", "model: {path: x}\nparallel: {pp: 4, "
+                                 "ep: 8, num_layers_in_first_pipeline_stage: 10, "
+                                 "num_layers_in_last_pipeline_stage: 10}\n")),
+        "do not split": ("--model", MODELS / "qwen2.5-7b", "--gpus", 16, "--config",
+                         _write(tmp_path / "batch.yaml", "model: {path: x}\ndata: "
+                                "{train_batch_size: 20, micro_batch_size_per_rank: 4}\n")),
+    }
+    for needle, args in cases.items():
+        code, out, err = plan(capsys, *args)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (needle, err)
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_an_in_process_command_leaves_no_job_clock_behind(capsys):
+    """``trainer.stop_at`` durations count from a job's start, which main() passes to the
+    processes it starts; a caller's later jobs (the test suite's subprocesses) must not inherit
+    an old start (a 300 s deadline had already passed in a CI run)."""
+    import os
+
+    from megatron_rlhf.config.stopping import JOB_START_ENV
+
+    os.environ.pop(JOB_START_ENV, None)
+    plan(capsys, "--model", MODELS / "qwen2.5-0.5b", "--gpus", 1)
+    assert JOB_START_ENV not in os.environ
