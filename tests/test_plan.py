@@ -55,6 +55,11 @@ def test_json_lists_ranked_layouts_with_every_field(capsys):
                 "total_bytes_per_gpu", "fits", "why"} <= set(layout)
         assert layout["tp"] * layout["pp"] * layout["dp"] == 16 and sum(layout["stages"]) == 48
         assert layout["total_bytes_per_gpu"] >= layout["bytes_per_gpu"]["weights"]
+        variants = layout["state_bytes_by_optimizer"]
+        shards = layout["dp"] > 1 or layout["tp"] > layout["ep"]  # a data-parallel group to shard over
+        assert (variants["distributed"]["optimizer"] < variants["replicated"]["optimizer"]) == shards
+        assert variants["distributed_cpu_offload"]["optimizer"] == 0
+        assert variants["distributed_cpu_offload"]["optimizer_host"] == variants["distributed"]["optimizer"]
     fits = [layout["fits"] for layout in layouts]
     assert fits == sorted(fits, reverse=True)  # fitting layouts first
     assert any(layout["ep"] > 1 for layout in layouts) and any(layout["pp"] > 1 for layout in layouts)

@@ -74,6 +74,9 @@ class LayoutPlan:
     largest: str
     notes: list[str] = field(default_factory=list)
     why: str = ""
+    # The heaviest stage's state with and without the distributed optimizer and with
+    # megatron-core's optimizer CPU offload (host bytes under "optimizer_host").
+    state_variants: dict = field(default_factory=dict)
 
     def as_json(self) -> dict:
         lay = self.layout
@@ -81,16 +84,23 @@ class LayoutPlan:
                 "stages": self.stages, "max_rank_params": self.max_rank_params,
                 "bytes_per_gpu": {k: int(v) for k, v in self.terms.items()},
                 "total_bytes_per_gpu": int(self.total), "fits": self.fits,
-                "largest_term": self.largest, "why": self.why, "notes": self.notes}
+                "largest_term": self.largest, "why": self.why, "notes": self.notes,
+                "state_bytes_by_optimizer": self.state_variants}
 
 
 def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int, run: Run,
                  hw: Hardware) -> tuple[dict[str, float], int]:
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     expert_dp = layout.tp * layout.dp // (layout.ep * layout.etp)
-    tensors = rank_tensors(arch, layout, stage, padded_vocab=padded)
+    te = run.kernels == "te"  # Transformer Engine's specs replicate MLA's down projections
+    tensors = rank_tensors(arch, layout, stage, te, padded)
     state = train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes,
                               run.distributed_optimizer, run.optimizer_offload)
+    variants = {name: train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes, dist_opt,
+                                        offload)
+                for name, dist_opt, offload in (("replicated", False, False),
+                                                ("distributed", True, False),
+                                                ("distributed_cpu_offload", True, True))}
     first, count = layout.stage_of(arch.num_layers, stage)
     layers, last = range(first, first + count), stage == layout.pp - 1
     w = Workload(run.micro_batch, run.seq, run.param_bytes, layout.tp, layout.tp > 1)
@@ -101,13 +111,16 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int, run: Run,
              "activations": saved * in_flight + recompute_working_bytes(
                  arch, w, run.recompute, layers, run.kernels),
              "logits": logits_bytes(arch, w, padded) if last else 0.0}
+    terms["_variants"] = {name: {"weights": s.weights, "gradients": s.gradients,
+                                 "optimizer": s.optimizer, "optimizer_host": s.optimizer_offloaded}
+                          for name, s in variants.items()}
     value = replace(arch, kind="value")
     if run.critic:
-        critic = train_state_bytes(rank_tensors(value, layout, stage, padded_vocab=padded),
+        critic = train_state_bytes(rank_tensors(value, layout, stage, te, padded),
                                    layout.dp, expert_dp, run.param_bytes,
                                    run.distributed_optimizer, run.optimizer_offload)
         terms["critic"] = critic.weights + critic.gradients + critic.optimizer
-    weights_only = lambda a: sum(t.numel for t in rank_tensors(a, layout, stage, padded_vocab=padded))  # noqa: E731
+    weights_only = lambda a: sum(t.numel for t in rank_tensors(a, layout, stage, te, padded))  # noqa: E731
     if run.reference:
         terms["reference"] = weights_only(arch) * run.param_bytes
     if run.reward_model:
@@ -128,8 +141,9 @@ def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[
                           f"rollout.tp={r.tp}) exceed gpu_memory_utilization={r.memory_fraction}"
                           f" of the GPU"]
         tokens = room / kv
-        notes = [f"rollout engine: KV cache for {tokens:,.0f} tokens per engine "
-                 f"({tokens / max(r.seq, 1):,.0f} sequences of {r.seq})"]
+        notes = [f"rollout engine: {weights / GIB:.1f} GiB of weights per GPU (rollout.tp={r.tp}),"
+                 f" KV cache for {tokens:,.0f} tokens per engine ({tokens / max(r.seq, 1):,.0f} "
+                 f"sequences of {r.seq}, {kv / 1024:.1f} KiB per token per GPU)"]
         return pool, notes
     return weights + kv * r.rows * r.seq, []
 
@@ -142,6 +156,7 @@ def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) ->
     best = None
     for stage in candidates:
         terms, params = _stage_terms(arch, layout, stage, run, hw)
+        variants = terms.pop("_variants")
         resident = sum(v for k, v in terms.items() if k not in ("activations", "logits"))
         training = resident + terms["activations"] + terms["logits"]
         rollout = engine + (0 if run.offload_during_rollout else resident)
@@ -149,12 +164,13 @@ def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) ->
             terms["rollout_engine"] = engine
         total = max(training, rollout)
         if best is None or total > best[0]:
-            best = (total, terms, params)
-    total, terms, _ = best
+            best = (total, terms, variants)
+    total, terms, variants = best
     max_params = max(_stage_terms(arch, layout, s, run, hw)[1] for s in candidates)
     limit = hw.gpu_mem_gib * GIB
     largest = max(terms, key=terms.get)
-    return LayoutPlan(layout, stages, max_params, terms, total, total <= limit, largest, notes)
+    return LayoutPlan(layout, stages, max_params, terms, total, total <= limit, largest, notes,
+                      state_variants=variants)
 
 
 def _divisors(n: int) -> list[int]:
