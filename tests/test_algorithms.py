@@ -177,3 +177,14 @@ def test_sequence_means_leave_empty_rows_out_as_verl():
     assert ppo.aggregate(loss, mask, "token-mean").item() == pytest.approx(-1.5 / 5)
     nothing = torch.zeros(2, 3)
     assert ppo.aggregate(loss[:2], nothing, "seq-mean-token-sum").item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum",
+                                  "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_masked_positions_never_reach_the_loss(mode):
+    """A masked position holding inf or NaN (a padded position's log-ratio): the loss is that
+    of the unmasked ones, as verl zeroes masked values before aggregating."""
+    for bad in (math.inf, math.nan):
+        loss = torch.tensor([[1.0, bad]])
+        got = ppo.aggregate(loss, torch.tensor([[1.0, 0.0]]), mode, horizon=1)
+        assert got.item() == 1.0

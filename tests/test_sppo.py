@@ -69,3 +69,19 @@ def test_loss_is_the_squared_gap_of_sequence_log_ratios():
     loss.sum().backward()
     assert new.grad[0].tolist() == pytest.approx([2 * first, 2 * first, 0.0])
     assert new.grad[1].tolist() == pytest.approx([2 * second, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("scope, targets, loss", [
+    ("prompt", [0.380, -0.620, 0.0, 0.0], 0.132),
+    ("batch", [-1.395, -2.395, 0.605, 0.605], 2.104),  # verl's SPPO recipe
+])
+def test_softmean_scope_per_prompt_or_over_the_batch(scope, targets, loss):
+    """Scores [1, 0, 3, 3] in two prompts of two, beta = eta = 1, new = old log-probs: the
+    targets and the mean loss of each scope (verl's recipe, fed the same tensors, gives the
+    batch scope's)."""
+    scores, groups = torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.tensor([0, 0, 1, 1])
+    got = sppo.sppo_targets(scores, groups, eta=1.0, target="softmean", beta=1.0, scope=scope)
+    assert got.tolist() == pytest.approx(targets, abs=5e-4)
+    logprob = torch.full((4, 3), -1.0)
+    mean = sppo.sppo_loss(logprob, logprob, got, torch.ones(4, 3)).mean()
+    assert mean.item() == pytest.approx(loss, abs=5e-4)

@@ -30,6 +30,9 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str,
     rows with at least one valid token (an empty response trains nothing and does not dilute the
     others), as verl's ``agg_loss``.
     """
+    # Masked positions are zeroed, not multiplied by 0: a non-finite value there (a padded
+    # position's inf log-ratio) must not turn the loss into NaN.
+    loss = torch.where(mask.bool(), loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
         return masked_mean(loss, mask)
@@ -127,7 +130,8 @@ def sequence_log_ratio(old_logprob: torch.Tensor, logprob: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
     """GSPO's length-normalised sequence log-ratio ``mean_t(log pi - log pi_old)``: ``[B, T] -> [B]``."""
     tokens = mask.sum(dim=1).clamp(min=1.0)
-    return ((logprob - old_logprob) * mask).sum(dim=1) / tokens
+    gap = torch.where(mask.bool(), logprob - old_logprob, torch.zeros((), dtype=logprob.dtype))
+    return gap.sum(dim=1) / tokens
 
 
 def gspo_policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,

@@ -53,11 +53,14 @@ def softmean(values: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def sppo_targets(scores: torch.Tensor, group_ids: torch.Tensor, eta: float, target: str,
-                 preference: str = "rule", beta: float = 1.0) -> torch.Tensor:
+                 preference: str = "rule", beta: float = 1.0, scope: str = "prompt") -> torch.Tensor:
     """Each response's regression target ``[N]``: ``eta * (P(y > pi) - 1/2)`` (``win_rate``) or
-    ``eta * (r - softmean_beta(r of its group))`` (``softmean``)."""
+    ``eta * (r - softmean_beta(r))`` (``softmean``) with the soft mean over the response's own
+    group (``scope="prompt"``) or over all ``N`` (``"batch"``, verl's SPPO recipe)."""
     if target == "win_rate":
         return eta * (win_rates(pairwise_preferences(scores, preference), group_ids) - 0.5)
+    if target == "softmean" and scope == "batch":
+        return eta * (scores - softmean(scores, beta))
     if target == "softmean":
         out = torch.zeros_like(scores)
         for group in torch.unique(group_ids):
@@ -71,5 +74,5 @@ def sppo_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, targets: torch.T
               mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence ``(sum_t (log pi - log pi_old) - target)^2``: ``[B, T]``, targets ``[B]``
     -> ``[B]`` (0 for an empty response)."""
-    log_ratio = ((logprob - old_logprob) * mask).sum(dim=1)
-    return (log_ratio - targets) ** 2 * (mask.sum(dim=1) > 0)
+    gap = torch.where(mask.bool(), logprob - old_logprob, torch.zeros((), dtype=logprob.dtype))
+    return (gap.sum(dim=1) - targets) ** 2 * (mask.sum(dim=1) > 0)

@@ -170,6 +170,7 @@ def _check_recipes(cfg: PPOConfig) -> None:
                         f"(got {alg.adv_estimator} and {cfg.actor.policy_loss})")
     if alg.adv_estimator == "sppo":
         _choice("algorithm.sppo_target", alg.sppo_target, TARGETS)
+        _choice("algorithm.sppo_softmean_scope", alg.sppo_softmean_scope, ("prompt", "batch"))
         _choice("algorithm.sppo_preference", alg.sppo_preference, ("auto", *PREFERENCES))
         if not cfg.actor.loss_agg_mode.startswith("seq-mean-token-"):
             raise UserError(f"config: SPPO's loss is one term per sequence; actor.loss_agg_mode="

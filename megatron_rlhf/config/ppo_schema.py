@@ -99,13 +99,16 @@ class AlgorithmConfig:
     ``sppo`` (self-play preference optimisation, with ``actor.policy_loss=sppo``)."""
     sppo_target: str = "win_rate"
     """SPPO's regression target: ``win_rate`` (``P(y > pi) - 1/2`` from the group's pairwise
-    preferences) or ``softmean`` (``r - softmean_beta(group)``, verl's recipe)."""
+    preferences) or ``softmean`` (``r - softmean_beta(r)`` over ``sppo_softmean_scope``)."""
     sppo_preference: str = "auto"
     """How SPPO turns scores into ``P(y_i > y_j)``: ``bradley_terry`` (``sigmoid(r_i - r_j)``,
     for a reward model's scores), ``rule`` (win 1, tie 1/2, loss 0), or ``auto`` (Bradley-Terry
     when ``reward.model_path`` is set, else rule)."""
     sppo_beta: float = 1.0
-    """``softmean`` target's temperature (0: the plain group mean)."""
+    """``softmean`` target's temperature (0: the plain mean)."""
+    sppo_softmean_scope: str = "prompt"
+    """What ``softmean`` averages over: ``prompt`` (the samples of each response's own prompt)
+    or ``batch`` (every sample of the step, as verl's SPPO recipe does)."""
     gamma: float = 0.99
     """Discount per token."""
     lam: float = 0.95

@@ -67,7 +67,8 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
             advantages = reinforce_pp_baseline_advantages(scores, batch["group"], mask)
         elif cfg.adv_estimator == "sppo":  # the target per sample; actor.sppo_eta scales it
             targets = sppo_targets(scores, batch["group"], 1.0, cfg.sppo_target,
-                                   sppo_preference(cfg, batch), cfg.sppo_beta)
+                                   sppo_preference(cfg, batch), cfg.sppo_beta,
+                                   cfg.sppo_softmean_scope)
             advantages = targets[:, None] * mask
         else:
             per_sample = (rloo_advantages(scores, batch["group"]) if cfg.adv_estimator == "rloo"
