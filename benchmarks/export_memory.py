@@ -101,7 +101,7 @@ def same_tensors(src: Path, exported: Path) -> int:
     """Every tensor of ``src`` is in ``exported`` with the same bytes; one pair at a time."""
     import torch
 
-    from megatron_rlhf.convert.hf_io import HFReader
+    from megatron_rlhf.checkpoint.hf_io import HFReader
 
     before, after = HFReader(src), HFReader(exported)
     if sorted(before.names()) != sorted(after.names()):

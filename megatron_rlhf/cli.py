@@ -28,9 +28,16 @@ def _sft():
 
 
 def _ppo():
-    from megatron_rlhf.trainer.main_ppo import train_ppo
+    def train(cfg):
+        if cfg.agents:  # several actors trained together
+            from megatron_rlhf.multi_agent.driver import train_agents
 
-    return train_ppo
+            return train_agents(cfg)
+        from megatron_rlhf.trainer.main_ppo import train_ppo
+
+        return train_ppo(cfg)
+
+    return train
 
 
 def _schema(name, module="schema"):

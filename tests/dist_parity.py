@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info  # noqa: E402
 from megatron_rlhf.convert.checkpoints import hf_to_mcore, read_hf_arch  # noqa: E402
-from megatron_rlhf.convert.hf_io import HFReader  # noqa: E402
+from megatron_rlhf.checkpoint.hf_io import HFReader  # noqa: E402
 from megatron_rlhf.convert.weights import load_hf_weights  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups  # noqa: E402

@@ -44,7 +44,7 @@ def test_ppo_configs_validate(path):
 def test_multi_agent_configs_validate(path):
     from megatron_rlhf.config.ppo_checks import validate_ppo_config
     from megatron_rlhf.config.ppo_schema import PPOConfig
-    from megatron_rlhf.multi_agent.config import agent_config, check_agents
+    from megatron_rlhf.config.agents import agent_config, check_agents
 
     config = load_config(PPOConfig, str(path), [])
     validate_ppo_config(config)

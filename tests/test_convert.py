@@ -113,7 +113,7 @@ def _recording_hf_reads(monkeypatch):
     conversion still holds, not just what it has read."""
     import weakref
 
-    from megatron_rlhf.convert import hf_io
+    from megatron_rlhf.checkpoint import hf_io
 
     state = {"live": 0, "peak": 0, "reads": 0}
     real = hf_io.read_tensor
@@ -183,7 +183,7 @@ def test_import_over_two_processes_shares_the_writing(export_models, tmp_path):
 def test_hf_reader_without_memory_map_reads_every_dtype(tmp_path):
     from safetensors.torch import save_file
 
-    from megatron_rlhf.convert.hf_io import HFReader, read_header, read_tensor
+    from megatron_rlhf.checkpoint.hf_io import HFReader, read_header, read_tensor
     from megatron_rlhf.errors import UserError
 
     (tmp_path / "config.json").write_text("{}")

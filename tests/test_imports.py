@@ -69,3 +69,56 @@ def test_nothing_below_the_cli_imports_it():
     graph = import_graph()
     importers = {name for name, deps in graph.items() if "megatron_rlhf.cli" in deps}
     assert importers <= ENTRY_SHIMS, importers - ENTRY_SHIMS
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def allowed_imports() -> dict[str, set[str]]:
+    """docs/architecture.md's "Allowed imports" list: ``- `unit`: `a`, `b``` per line."""
+    import re
+
+    text = ARCHITECTURE.read_text().split("## Allowed imports", 1)[1].split("\n## ", 1)[0]
+    allowed = {}
+    for line in text.splitlines():
+        if not line.startswith("- `"):
+            continue
+        units, _, deps = line[2:].partition(":")
+        for unit in re.findall(r"`(\w+)`", units):
+            allowed[unit] = set(re.findall(r"`(\w+)`", deps))
+    return allowed
+
+
+def unit_of(module: str) -> str:
+    """A module's folder (or top-level module) under the package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layering_violations(graph: dict[str, set[str]], allowed: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = unit_of(module)
+        for target in sorted(targets):
+            there = unit_of(target)
+            if there != here and there not in allowed.get(here, set()):
+                found.append(f"{module} imports {target}: {here} may not import {there}")
+    return found
+
+
+def test_folders_import_only_what_docs_architecture_allows():
+    graph, allowed = import_graph(), allowed_imports()
+    units = {unit_of(m) for m in graph} - {"__init__"}
+    assert units <= set(allowed), f"not in docs/architecture.md: {sorted(units - set(allowed))}"
+    assert layering_violations(graph, allowed) == []
+    # The allowed list itself has no cycle between folders.
+    assert cycles({u: allowed[u] & set(allowed) for u in allowed}) == []
+
+
+def test_a_forbidden_import_is_reported():
+    graph, allowed = import_graph(), allowed_imports()
+    graph["megatron_rlhf.checkpoint.train_ckpt"] = graph["megatron_rlhf.checkpoint.train_ckpt"] | {
+        "megatron_rlhf.trainer.engine"}
+    assert layering_violations(graph, allowed) == [
+        "megatron_rlhf.checkpoint.train_ckpt imports megatron_rlhf.trainer.engine: "
+        "checkpoint may not import trainer"]

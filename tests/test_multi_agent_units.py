@@ -11,7 +11,7 @@ from megatron_rlhf.config.loader import load_config
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.tasks import parse_question
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.multi_agent.config import agent_config, check_agents, judges, pools
+from megatron_rlhf.config.agents import agent_config, check_agents, judges, pools
 from megatron_rlhf.multi_agent.modes import CritiqueRevise, Population, ProposerSolver
 from megatron_rlhf.rollout.base import Generation
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer

@@ -13,9 +13,9 @@ from megatron_rlhf.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "configs" / "models"
 NEMO_RL = ["--model", str(MODELS / "deepseek-v3"), "--gpus", "256", "--config",
-           str(ROOT / "configs" / "ppo" / "deepseek_v3_grpo_256xh100.yaml")]
+           str(ROOT / "configs" / "plan" / "deepseek_v3_grpo_256xh100.yaml")]
 VERL = ["--model", str(MODELS / "deepseek-v3"), "--gpus", "96", "--gpu-mem-gib", "96", "--config",
-        str(ROOT / "configs" / "ppo" / "deepseek_v3_grpo_96xh20.yaml"), "--optimizer-offload"]
+        str(ROOT / "configs" / "plan" / "deepseek_v3_grpo_96xh20.yaml"), "--optimizer-offload"]
 
 
 def plan(capsys, *args):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.safe_load import RefusedCheckpointFile, check_torch_dist
-from megatron_rlhf.convert.hf_io import copy_hf_assets
+from megatron_rlhf.checkpoint.hf_io import copy_hf_assets
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import build_model

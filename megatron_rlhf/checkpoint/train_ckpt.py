@@ -18,7 +18,6 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,9 +27,6 @@ from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype
 from megatron_rlhf.checkpoint.safe_load import (LEGACY_RNG_GLOBALS, RefusedCheckpointFile,
                                                  load_torch_file)
 from megatron_rlhf.errors import UserError
-
-if TYPE_CHECKING:
-    from megatron_rlhf.trainer.engine import Trainable
 
 PREFIX = "step_"
 _UNFINISHED = (".partial", ".stale")  # a save in progress; a replaced checkpoint being deleted
@@ -97,14 +93,14 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
                      "chained_optim_avoid_prefix": True}
 
 
-def _sharded_state(trainable: Trainable, loading: bool) -> dict:
+def _sharded_state(trainable, loading: bool) -> dict:
     model_state = trainable.module.sharded_state_dict()
     return {"model": model_state,
             "optimizer": trainable.optimizer.sharded_state_dict(model_state, is_loading=loading,
                                                                 metadata=_OPTIMIZER_FORMAT)}
 
 
-def _optimizer_count(trainable: Trainable) -> int:
+def _optimizer_count(trainable) -> int:
     return len(getattr(trainable.optimizer, "chained_optimizers", None) or [trainable.optimizer])
 
 
@@ -117,7 +113,7 @@ class CheckpointWriter:
     rank) commits it once every rank's writer is done. One save is in flight at a time.
     """
 
-    def __init__(self, root: str | os.PathLike, trainable: Trainable, meta: dict, hf_config,
+    def __init__(self, root: str | os.PathLike, trainable, meta: dict, hf_config,
                  tokenizer, keep_last_n: int | None, async_save: bool = False):
         self.root, self.trainable, self.meta = Path(root), trainable, meta
         self.hf_config, self.tokenizer = hf_config, tokenizer
@@ -233,7 +229,7 @@ def read_checkpoint_files(path: str | os.PathLike) -> tuple[dict, dict | None]:
     return state, rng
 
 
-def load_train_checkpoint(path: str | os.PathLike, trainable: Trainable,
+def load_train_checkpoint(path: str | os.PathLike, trainable,
                           files: tuple[dict, dict | None] | None = None) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state.
     ``files``: :func:`read_checkpoint_files`' result, if already read."""

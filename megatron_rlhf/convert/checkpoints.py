@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.model_ckpt import (check_writable, read_checkpoint_info,
                                                  save_model_checkpoint)
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.convert.streaming_export import export_hf
 from megatron_rlhf.convert.streaming_import import streaming_strategy
 from megatron_rlhf.convert.weights import hf_sources

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.convert.hf_io import read_header, read_tensor
+from megatron_rlhf.checkpoint.hf_io import read_header, read_tensor
 from megatron_rlhf.errors import UserError
 
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from megatron_rlhf.checkpoint.model_ckpt import CheckpointInfo, read_sharded
 from megatron_rlhf.convert import compare
-from megatron_rlhf.convert.hf_io import copy_hf_assets, shard_file_name, write_index, write_shard
+from megatron_rlhf.checkpoint.hf_io import copy_hf_assets, shard_file_name, write_index, write_shard
 from megatron_rlhf.convert.mapping import Rule, layer_offsets, mapped_parameters, rule_for
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.builder import build_meta_model, uses_transformer_engine

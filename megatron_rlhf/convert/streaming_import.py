@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.convert.mapping import Rule, mapped_parameters
 from megatron_rlhf.convert.weights import read_shard
 from megatron_rlhf.distributed.layout import ParallelGroups

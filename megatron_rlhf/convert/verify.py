@@ -26,7 +26,7 @@ def verify_checkpoint_against_hf(checkpoint: Path, hf_dir: str, arch, padded_voc
     returns how many were compared. Collective; it rebuilds the world's groups at TP=PP=EP=1
     (the export's layout)."""
     from megatron_rlhf.checkpoint.model_ckpt import CheckpointInfo
-    from megatron_rlhf.convert.hf_io import HFReader
+    from megatron_rlhf.checkpoint.hf_io import HFReader
     from megatron_rlhf.convert.streaming_export import load_hf_tensors, meta_model, plan_export
     from megatron_rlhf.convert.weights import mtp_tensor_names
     from megatron_rlhf.distributed.layout import ParallelLayout, build_parallel_groups

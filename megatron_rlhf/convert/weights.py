@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.convert.mapping import (Rule, layer_offsets, mapped_parameters, rule_for,
                                            tp_shard)
 from megatron_rlhf.distributed.layout import ParallelGroups

@@ -31,7 +31,7 @@ import torch
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, check_writable, read_checkpoint_info
 from megatron_rlhf.convert.checkpoints import read_hf_arch
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.data.prompts import Prompt, load_prompts
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout
 from megatron_rlhf.errors import UserError

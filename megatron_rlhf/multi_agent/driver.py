@@ -162,7 +162,7 @@ def fit(run: MultiAgentRun) -> dict[str, float]:
 def setup(cfg: PPOConfig) -> MultiAgentRun:
     """Validate, start Ray, place every agent's group (and the judge), load the data."""
     from megatron_rlhf.config.ppo_checks import validate_ppo_config
-    from megatron_rlhf.multi_agent.config import agent_config, check_agents
+    from megatron_rlhf.config.agents import agent_config, check_agents
     from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
 
     check_agents(cfg)  # first: an agent list that makes no sense says so before the rest
@@ -174,7 +174,7 @@ def setup(cfg: PPOConfig) -> MultiAgentRun:
             validate_ppo_config(c)
         except UserError as err:
             raise UserError(f"agent {name}: {err}") from None
-    from megatron_rlhf.multi_agent.config import judges, pools
+    from megatron_rlhf.config.agents import judges, pools
 
     use_gpu = torch.cuda.is_available()
     sizes = {pool: max(a.world_size for a in members) for pool, members in pools(cfg).items()}
@@ -193,7 +193,7 @@ def setup(cfg: PPOConfig) -> MultiAgentRun:
 def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> None:
     """Every agent checked first (model, vocabulary, layout), then the judges and the agents'
     groups placed on their pools."""
-    from megatron_rlhf.multi_agent.config import judges, pools, reward_model
+    from megatron_rlhf.config.agents import judges, pools, reward_model
     from megatron_rlhf.multi_agent.modes import make_mode
     from megatron_rlhf.orchestration.worker_group import ResourcePool, WorkerGroup
     from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
@@ -241,7 +241,7 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
 
 def _place_judges(run: MultiAgentRun, configs: dict, data, use_gpu: bool, threads: int) -> None:
     """A judge group per distinct reward model, built from the config of its first agent."""
-    from megatron_rlhf.multi_agent.config import judges
+    from megatron_rlhf.config.agents import judges
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 

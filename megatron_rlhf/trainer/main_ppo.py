@@ -165,10 +165,6 @@ def train_ppo(cfg: PPOConfig) -> dict[str, float]:
     from megatron_rlhf.trainer.lifecycle import StopRequest
     from megatron_rlhf.trainer.loop import already_finished
 
-    if cfg.agents:
-        from megatron_rlhf.multi_agent.driver import train_agents
-
-        return train_agents(cfg)
     validate_ppo_config(cfg)
     if already_finished("ppo", cfg):
         return {}

@@ -22,7 +22,7 @@ from megatron_rlhf.config.parallel import model_options
 from megatron_rlhf.config.ppo_checks import uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups

@@ -20,7 +20,7 @@ from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_sft_conf
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
 from megatron_rlhf.config.schema import SFTConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.data.chat import pad_id
 from megatron_rlhf.data.sft import SFTSample, load_samples, sft_batch

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.convert.checkpoints import read_hf_arch
-from megatron_rlhf.convert.hf_io import HFReader
+from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout
 from megatron_rlhf.errors import UserError
