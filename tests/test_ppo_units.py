@@ -275,7 +275,11 @@ def test_each_model_schedules_its_own_epochs():
     cfg = _config("data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=16",
                   "actor.ppo_epochs=1", "critic.ppo_epochs=4")
     # 32 samples a step in mini-batches of 16: 2 optimizer steps per epoch, over 10 steps.
-    assert optimizer_steps(cfg, total_steps=10, prompts_per_step=8) == {"actor": 20, "critic": 80}
+    assert optimizer_steps(cfg, total_steps=10, samples_per_step=32) == {"actor": 20, "critic": 80}
+    # A partial last mini-batch is an optimizer step too (the update makes one for it): 40
+    # samples take 3 steps per epoch, not 2 (the single-agent schedule had rounded down).
+    assert optimizer_steps(cfg, total_steps=10, samples_per_step=40) == {"actor": 30, "critic": 120}
+    assert optimizer_steps(cfg, 10, 40, critic=False)["critic"] == 0
 
 
 def test_ranks_without_rows_do_not_drop_the_others_results():

@@ -141,11 +141,29 @@ def _check_ranges(cfg: PPOConfig) -> None:
         raise UserError(f"config: rollout.top_k={r.top_k} must be >= -1 (0 or -1: off)")
 
 
-def optimizer_steps(cfg: PPOConfig, total_steps: int, prompts_per_step: int) -> dict[str, int]:
-    """Optimizer steps each trained model takes over the run (the length of its LR schedule)."""
-    per_epoch = prompts_per_step * cfg.rollout.n // cfg.actor.ppo_mini_batch_size
+def optimizer_steps(cfg: PPOConfig, total_steps: int, samples_per_step: int,
+                    critic: bool = True) -> dict[str, int]:
+    """Optimizer steps each trained model takes over the run (the length of its LR schedule):
+    the update makes one per ``ppo_mini_batch_size`` samples, a partial last one included."""
+    per_epoch = -(-samples_per_step // cfg.actor.ppo_mini_batch_size)
     return {"actor": total_steps * cfg.actor.ppo_epochs * per_epoch,
-            "critic": total_steps * (cfg.critic.ppo_epochs or cfg.actor.ppo_epochs) * per_epoch}
+            "critic": total_steps * critic_epochs(cfg) * per_epoch if critic else 0}
+
+
+# Settings derived from others, decided here once.
+def critic_epochs(cfg: PPOConfig) -> int:
+    return cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
+
+
+def critic_parallel(cfg: PPOConfig):
+    """The critic's (and judges') layout: ``critic.parallel``, else the actor's."""
+    return cfg.critic.parallel or cfg.actor.parallel
+
+
+def scoring_temperature(temperature: float) -> float:
+    """The temperature log-probs are scored at: the sampling one, except that 0 (greedy
+    decoding) scores the plain distribution."""
+    return temperature if temperature > 0 else 1.0
 
 
 def check_layout(cfg: PPOConfig, world: int, dp: int, generates: bool = True) -> None:

@@ -260,8 +260,9 @@ def _judge_layout(cfg: PPOConfig, data):
     ``multi_agent.judge_world_size`` ranks."""
     from megatron_rlhf.config.parallel import layout_of
 
-    par = cfg.critic.parallel or cfg.actor.parallel
-    return layout_of(par).resolve(cfg.multi_agent.judge_world_size, data.arch.shape)
+    from megatron_rlhf.config.ppo_checks import critic_parallel
+
+    return layout_of(critic_parallel(cfg)).resolve(cfg.multi_agent.judge_world_size, data.arch.shape)
 
 
 def _check_agent(c: PPOConfig, agent, data, mode):
@@ -290,9 +291,10 @@ def _check_agent(c: PPOConfig, agent, data, mode):
 
 
 def _updates(c: PPOConfig, name: str, mode, total: int) -> dict[str, int]:
-    """The agent's LR-schedule length: optimizer steps per pass (a partial mini-batch is one)."""
-    per_epoch = -(-_samples_per_step(c, name, mode) // c.actor.ppo_mini_batch_size)
-    return {"actor": total * c.actor.ppo_epochs * per_epoch, "critic": 0}
+    """The agent's LR-schedule length (no critic in a multi-agent run)."""
+    from megatron_rlhf.config.ppo_checks import optimizer_steps
+
+    return optimizer_steps(c, total, _samples_per_step(c, name, mode), critic=False)
 
 
 def _samples_per_step(c: PPOConfig, name: str, mode) -> int:

@@ -100,12 +100,12 @@ def _offline(cfg: PPOConfig, tokenizer, need_truth: bool) -> list:
 def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, train, val, tokenizer,
            stop_ids, report, rewards) -> PPORun:
     """Worker groups on the Ray cluster: actor (+ critic when shared), or a critic group apart."""
-    from megatron_rlhf.config.ppo_checks import check_layout, optimizer_steps
+    from megatron_rlhf.config.ppo_checks import check_layout, critic_parallel, optimizer_steps
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
     from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     separate = cfg.resource_pool.critic == "separate"
-    updates = optimizer_steps(cfg, total, len(train[:cfg.data.train_batch_size]))
+    updates = optimizer_steps(cfg, total, len(train[:cfg.data.train_batch_size]) * cfg.rollout.n)
     threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // world)
     actor = WorkerGroup("actor", world, use_gpu, threads)
     roles = ("actor",) if separate else ("actor", "critic")
@@ -113,8 +113,7 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
     critic = actor
     if separate:
         size = cfg.resource_pool.critic_world_size
-        par = cfg.critic.parallel or cfg.actor.parallel
-        critic_layout = layout_of(par).resolve(size, arch.shape)
+        critic_layout = layout_of(critic_parallel(cfg)).resolve(size, arch.shape)
         check_layout(cfg, size, critic_layout.dp, generates=False)
         critic = WorkerGroup("critic", size, use_gpu, threads)
         critic.build(PPOWorker, cfg, ("critic",), critic_layout, updates)

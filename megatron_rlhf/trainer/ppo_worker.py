@@ -19,7 +19,8 @@ from megatron_rlhf.checkpoint.model_ckpt import (META_FILE, load_model_checkpoin
                                                  read_checkpoint_info)
 from megatron_rlhf.config.loader import batch_plan
 from megatron_rlhf.config.parallel import model_options
-from megatron_rlhf.config.ppo_checks import uses_reference
+from megatron_rlhf.config.ppo_checks import (critic_epochs, critic_parallel, scoring_temperature,
+                                           uses_reference)
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
 from megatron_rlhf.checkpoint.hf_io import HFReader
@@ -150,7 +151,7 @@ class PPOWorker:
 
     def _build_critic(self, total_updates: int) -> None:
         cfg = self.config
-        parallel = cfg.critic.parallel or cfg.actor.parallel
+        parallel = critic_parallel(cfg)
         options = model_options(parallel, cfg.critic.moe)
         self.critic = None  # group baselines (GRPO, RLOO) need no value model
         if cfg.algorithm.adv_estimator == "gae":
@@ -228,7 +229,7 @@ class PPOWorker:
     def compute_log_probs(self, batch: dict, old: bool = True, ref: bool = True) -> tuple | None:
         """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
         for the ones not asked for)."""
-        temperature = self.config.rollout.temperature or 1.0
+        temperature = scoring_temperature(self.config.rollout.temperature)
         head = lambda out, b: (grid_logprobs(out, b, self.arch.vocab_size, self.groups,  # noqa: E731
                                              temperature) * grid_tensor(b, "loss_mask"))
         old = self._forward(self.actor.module, batch, head) if old else None
@@ -279,7 +280,7 @@ class PPOWorker:
         digest = population_advantages(batch) if "preferences" in batch else None
         loss = lambda out, b: actor_loss(out, b, vocab_size=self.arch.vocab_size,  # noqa: E731
                                          groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
-                                         temperature=self.config.rollout.temperature or 1.0,
+                                         temperature=scoring_temperature(self.config.rollout.temperature),
                                          horizon=self.horizon)
         sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
                             lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode))
@@ -303,7 +304,7 @@ class PPOWorker:
 
     def update_critic(self, batch: dict, step: int) -> dict:
         cfg = self.config
-        epochs = cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
+        epochs = critic_epochs(cfg)
         loss = lambda out, b: critic_loss(out, b, cliprange_value=cfg.critic.cliprange_value,  # noqa: E731
                                           agg_mode=cfg.actor.loss_agg_mode, horizon=self.horizon)
         sums = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
