@@ -188,3 +188,27 @@ def test_masked_positions_never_reach_the_loss(mode):
         loss = torch.tensor([[1.0, bad]])
         got = ppo.aggregate(loss, torch.tensor([[1.0, 0.0]]), mode, horizon=1)
         assert got.item() == 1.0
+
+
+def test_every_registered_estimator_gives_per_token_advantages_on_the_mask():
+    """The registry's entries, fed one batch: ``[N, T]`` rewards, advantages and returns, zero
+    off the mask; the config's lists are the registry's."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.algorithms.estimators import ESTIMATORS, Inputs
+    from megatron_rlhf.config.ppo_checks import ADV_ESTIMATORS, GROUP_ESTIMATORS
+
+    settings = SimpleNamespace(gamma=1.0, lam=0.95, whiten_advantages=True,
+                               norm_adv_by_std_in_grpo=True, use_kl_in_reward=True,
+                               sppo_target="win_rate", sppo_beta=1.0, sppo_softmean_scope="prompt")
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    inputs = Inputs(torch.tensor([1.0, 0.0, 0.5, 2.0]), mask, torch.tensor([0, 0, 1, 1]),
+                    torch.full((4, 3), 0.1) * mask, 0.05, values=torch.rand(4, 3) * mask)
+    for name, entry in ESTIMATORS.items():
+        rewards, advantages, returns = entry.compute(inputs, settings)
+        for tensor in (rewards, advantages, returns):
+            assert tensor.shape == (4, 3) and torch.isfinite(tensor).all(), name
+        assert (advantages[mask == 0] == 0).all(), name
+    assert ADV_ESTIMATORS == tuple(ESTIMATORS)
+    assert set(GROUP_ESTIMATORS) == {n for n, e in ESTIMATORS.items() if e.group_based}
+    assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]

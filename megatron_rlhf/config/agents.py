@@ -6,6 +6,7 @@ import copy
 import re
 from pathlib import Path
 
+from megatron_rlhf.algorithms.estimators import estimator
 from megatron_rlhf.config.ppo_schema import AgentConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 
@@ -48,7 +49,7 @@ def _check_mode(cfg: PPOConfig) -> None:
     unsupported = [(alg.filter_groups.enable, "algorithm.filter_groups.enable"),
                    (cfg.data.offline_fraction > 0, "data.offline_fraction"),
                    (cfg.rollout.max_turns > 1, "rollout.max_turns"),
-                   (alg.adv_estimator == "gae", "algorithm.adv_estimator=gae (a critic per agent)")]
+                   (estimator(alg.adv_estimator).needs_critic, "algorithm.adv_estimator=gae (a critic per agent)")]
     for bad, key in unsupported:
         if bad:
             raise UserError(f"config: {key} is not supported with agents (multi_agent.mode={m.mode})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_rlhf.algorithms.estimators import ESTIMATORS, estimator
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
 from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
 from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
@@ -12,9 +13,8 @@ from megatron_rlhf.config.stopping import check_stop_settings
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import logger_kinds
 
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                  "sppo")
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "sppo")
+ADV_ESTIMATORS = tuple(ESTIMATORS)
+GROUP_ESTIMATORS = tuple(name for name, e in ESTIMATORS.items() if e.group_based)
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -112,7 +112,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         # Ray shows each worker one GPU; an SGLang engine spanning several needs them all.
         raise UserError(f"config: rollout.tp={r.tp} with rollout.backend=sglang is not supported "
                         "yet (each Ray worker sees one GPU); use rollout.tp=1")
-    if t.critic_warmup < 0 or (t.critic_warmup and alg.adv_estimator != "gae"):
+    if t.critic_warmup < 0 or (t.critic_warmup and not estimator(alg.adv_estimator).needs_critic):
         raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
                         f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")
     rb = t.rollback
@@ -151,6 +151,11 @@ def optimizer_steps(cfg: PPOConfig, total_steps: int, samples_per_step: int,
 
 
 # Settings derived from others, decided here once.
+def uses_critic(cfg: PPOConfig) -> bool:
+    """The estimator learns a value baseline: a critic is built and trained."""
+    return estimator(cfg.algorithm.adv_estimator).needs_critic
+
+
 def critic_epochs(cfg: PPOConfig) -> int:
     return cfg.critic.ppo_epochs or cfg.actor.ppo_epochs
 
@@ -183,7 +188,7 @@ def _check_recipes(cfg: PPOConfig) -> None:
     """DAPO's dynamic sampling and overlong shaping, GSPO, rollout correction."""
     alg, f, c = cfg.algorithm, cfg.algorithm.filter_groups, cfg.algorithm.rollout_correction
     _choice("actor.policy_loss", cfg.actor.policy_loss, POLICY_LOSSES)
-    if (alg.adv_estimator == "sppo") != (cfg.actor.policy_loss == "sppo"):
+    if (estimator(alg.adv_estimator).policy_loss == "sppo") != (cfg.actor.policy_loss == "sppo"):
         raise UserError(f"config: SPPO is algorithm.adv_estimator=sppo with actor.policy_loss=sppo "
                         f"(got {alg.adv_estimator} and {cfg.actor.policy_loss})")
     if alg.adv_estimator == "sppo":

@@ -51,6 +51,7 @@ def _from_config(path: str, args):
 
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.parallel import layout_of
+    from megatron_rlhf.config.ppo_checks import uses_critic
 
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -69,7 +70,7 @@ def _from_config(path: str, args):
                   recompute=a.parallel.recompute_granularity or "none",
                   distributed_optimizer=a.parallel.use_distributed_optimizer,
                   param_bytes=4 if a.dtype == "float32" else 2,
-                  critic=c.algorithm.adv_estimator == "gae",
+                  critic=uses_critic(c),
                   reference=bool(c.algorithm.use_kl_in_reward or a.use_kl_loss),
                   reward_model=bool(c.reward.model_path),
                   rollout=Rollout(r.backend, r.tp, r.gpu_memory_utilization,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
+from megatron_rlhf.config.ppo_checks import uses_critic
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, close_step, kl_controller, summarize_rollout
@@ -33,7 +34,7 @@ def fit(run: PPORun) -> dict[str, float]:
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
             run.leave_out_untrained(gens, batch)
         with timer("update_critic"):
-            metrics = run.critic.call("update_critic", batch, run.step)[0] if alg.adv_estimator == "gae" else {}
+            metrics = run.critic.call("update_critic", batch, run.step)[0] if uses_critic(cfg) else {}
         if run.step >= cfg.trainer.critic_warmup:
             with timer("update_actor"):
                 metrics |= run.actor.call("update_actor", batch, run.step, run.kl_loss_coef)[0]

@@ -25,7 +25,7 @@ from megatron_rlhf.algorithms.ppo import (AdaptiveKLController, FixedKLControlle
                                           explained_variance)
 from megatron_rlhf.algorithms.rollout_correction import mismatch, sequence_keep, tis_weights
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
-from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_reference
+from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_critic, uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
@@ -255,7 +255,7 @@ class PPORun(RLRunState):
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
         calls = _calls(texts, [prompts[g.prompt_index] for g in gens])
         values = rm = None
-        if self.cfg.algorithm.adv_estimator == "gae" or self.cfg.reward.model_path:
+        if uses_critic(self.cfg) or self.cfg.reward.model_path:
             parts = stitch(self.critic.call("compute_values", batch))
             values, rm = (cat_rows(p) for p in zip(*parts))
         batch["values"] = values
@@ -422,7 +422,7 @@ class PPORun(RLRunState):
     @property
     def roles(self) -> tuple[str, ...]:
         """The trained models, each checkpointed in its own folder."""
-        return ("actor", "critic") if self.cfg.algorithm.adv_estimator == "gae" else ("actor",)
+        return ("actor", "critic") if uses_critic(self.cfg) else ("actor",)
 
     def checkpoints(self) -> list[int]:
         """Steps with a checkpoint of every trained model (actor, and critic for GAE), oldest first."""

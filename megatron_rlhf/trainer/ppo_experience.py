@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.algorithms.advantages import (compute_gae, group_normalized_advantages,
-                                                 masked_mean, masked_whiten,
-                                                 reinforce_pp_advantages,
-                                                 reinforce_pp_baseline_advantages, rloo_advantages,
-                                                 token_level_rewards)
+from megatron_rlhf.algorithms.advantages import masked_mean
+from megatron_rlhf.algorithms.estimators import Inputs, estimator
 from megatron_rlhf.algorithms.ppo import kl_estimate
-from megatron_rlhf.algorithms.sppo import sppo_targets
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig
 from megatron_rlhf.rollout.base import Generation
 
@@ -49,34 +45,9 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
     kl = torch.zeros_like(mask)
     if batch.get("old_logprobs") is not None and batch.get("ref_logprobs") is not None:
         kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], cfg.kl_penalty) * mask
-    if cfg.adv_estimator in ("gae", "reinforce_plus_plus"):
-        rest = scores if turns is None else scores - turns.sum(dim=1)
-        rewards = token_level_rewards(rest, mask, kl if cfg.use_kl_in_reward else None, kl_coef)
-        if turns is not None:
-            rewards = rewards + turns
-        if cfg.adv_estimator == "reinforce_plus_plus":
-            advantages, returns = reinforce_pp_advantages(rewards, mask, cfg.gamma)
-        else:
-            advantages, returns = compute_gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                advantages = masked_whiten(advantages, mask)
-    else:
-        if cfg.use_kl_in_reward:  # sequence-level methods take the KL as a score penalty
-            scores = scores - kl_coef * kl.sum(dim=1)
-        if cfg.adv_estimator == "reinforce_plus_plus_baseline":
-            advantages = reinforce_pp_baseline_advantages(scores, batch["group"], mask)
-        elif cfg.adv_estimator == "sppo":  # the target per sample; actor.sppo_eta scales it
-            targets = sppo_targets(scores, batch["group"], 1.0, cfg.sppo_target,
-                                   sppo_preference(cfg, batch), cfg.sppo_beta,
-                                   cfg.sppo_softmean_scope)
-            advantages = targets[:, None] * mask
-        else:
-            per_sample = (rloo_advantages(scores, batch["group"]) if cfg.adv_estimator == "rloo"
-                          else group_normalized_advantages(scores, batch["group"],
-                                                           cfg.norm_adv_by_std_in_grpo))
-            advantages = per_sample[:, None] * mask
-        rewards = token_level_rewards(scores, mask)
-        returns = advantages
+    inputs = Inputs(scores, mask, batch["group"], kl, kl_coef, batch.get("values"), turns,
+                    sppo_preference(cfg, batch))
+    rewards, advantages, returns = estimator(cfg.adv_estimator).compute(inputs, cfg)
     return {"rewards": rewards, "advantages": advantages, "returns": returns, "kl": kl}
 
 

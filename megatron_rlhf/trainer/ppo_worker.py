@@ -20,6 +20,7 @@ from megatron_rlhf.checkpoint.model_ckpt import (META_FILE, load_model_checkpoin
 from megatron_rlhf.config.loader import batch_plan
 from megatron_rlhf.config.parallel import model_options
 from megatron_rlhf.config.ppo_checks import (critic_epochs, critic_parallel, scoring_temperature,
+                                           uses_critic,
                                            uses_reference)
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
@@ -154,7 +155,7 @@ class PPOWorker:
         parallel = critic_parallel(cfg)
         options = model_options(parallel, cfg.critic.moe)
         self.critic = None  # group baselines (GRPO, RLOO) need no value model
-        if cfg.algorithm.adv_estimator == "gae":
+        if uses_critic(cfg):
             source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path,
                                           self.groups.layout)
             model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed, options)
