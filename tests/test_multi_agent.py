@@ -89,6 +89,7 @@ def test_one_table_for_every_rank_and_an_update_touches_only_its_agent(workspace
     from megatron_rlhf.multi_agent.driver import setup, shutdown, start
     from megatron_rlhf.orchestration.cluster import stop_ray
     from megatron_rlhf.trainer.ppo_driver import Timer
+    from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     cfg = load_config(PPOConfig, None, overrides(
         workspace, tmp_path / "run", "agents.1.world_size=2",
@@ -99,14 +100,14 @@ def test_one_table_for_every_rank_and_an_update_touches_only_its_agent(workspace
         start(run)
         a, b = run.agents["a"].actor, run.agents["b"].actor
         assert b.world_size == 2 and len(run.judges) == 1
-        before_a, before_b = a.call("weights_digest"), b.call("weights_digest")
+        before_a, before_b = a.call(PPOWorker.weights_digest), b.call(PPOWorker.weights_digest)
         episodes, metrics = run.mode.play(run, 0, Timer())
         table = episodes["a"].population["preferences"]
         assert episodes["a"].scored["rm"] is not None  # the judge scored them
         expected = hashlib.sha256(table.contiguous().numpy().tobytes()).hexdigest()
         _, seen_a, _ = run.update("a", episodes["a"], 0, Timer())
-        assert a.call("weights_digest") != before_a
-        assert b.call("weights_digest") == before_b  # bitwise: a's step never reached b
+        assert a.call(PPOWorker.weights_digest) != before_a
+        assert b.call(PPOWorker.weights_digest) == before_b  # bitwise: a's step never reached b
         _, seen_b, _ = run.update("b", episodes["b"], 0, Timer())
         assert seen_a == [expected] and seen_b == [expected, expected]
         assert abs(metrics["population/win_rate/a/b"] + metrics["population/win_rate/b/a"] - 1) < 1e-6

@@ -19,8 +19,8 @@ def ray_cluster():
 def test_group_is_one_world_and_returns_in_rank_order(ray_cluster):
     group = WorkerGroup("echo", 2, use_gpu=False)
     group.build(Echo, "a")
-    assert group.call("whoami") == [("a", 0, 2), ("a", 1, 2)]
-    assert group.call("all_reduce", 1.0) == [3.0, 3.0]  # (1 + 0) + (1 + 1)
+    assert group.call(Echo.whoami) == [("a", 0, 2), ("a", 1, 2)]
+    assert group.call(Echo.all_reduce, 1.0) == [3.0, 3.0]  # (1 + 0) + (1 + 1)
     group.shutdown()
 
 
@@ -30,7 +30,7 @@ def test_dead_worker_fails_fast_with_its_rank(ray_cluster):
     # Rank 0 is left in an all_reduce that cannot finish; a driver that waited for every rank
     # would hang here until the suite's timeout (a failure, not a slow pass).
     with pytest.raises(WorkerFailed, match=r"worker group 'victims' rank 1 failed in die_or_wait"):
-        group.call("die_or_wait", 1)
+        group.call(Echo.die_or_wait, 1)
 
 
 def test_the_rank_that_died_is_named_not_the_peers_it_broke(ray_cluster):
@@ -38,11 +38,11 @@ def test_the_rank_that_died_is_named_not_the_peers_it_broke(ray_cluster):
     group.build(Echo, "d")
     died_first = r"rank 1 failed in break_then_die: .*\(rank\(s\) 0 failed too\)"
     with pytest.raises(WorkerFailed, match=died_first):
-        group.call("break_then_die", 1)
+        group.call(Echo.break_then_die, 1)
 
 
 def test_worker_exception_names_rank_and_cause(ray_cluster):
     group = WorkerGroup("raisers", 2, use_gpu=False)
     group.build(Echo, "c")
     with pytest.raises(WorkerFailed, match=r"rank 0 failed in fail: ValueError: bad row 7 in shard 3"):
-        group.call("fail", 0)
+        group.call(Echo.fail, 0)

@@ -22,6 +22,7 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainer.ppo_driver import Timer, close_step, rollback_target, summarize_rollout
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
 from megatron_rlhf.trainer.rl_run import RLRunState, check_inputs
+from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
 
 @dataclass
@@ -62,7 +63,7 @@ class MultiAgentRun(RLRunState):
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
         agent.leave_out_untrained(episode.gens, batch)
         with timer(f"update/{name}"):
-            ranks = agent.actor.call("update_actor", {**batch, **episode.population}, step,
+            ranks = agent.actor.call(PPOWorker.update_actor, {**batch, **episode.population}, step,
                                      agent.kl_loss_coef)
         digests = [r.pop("population/table_sha256") for r in ranks if "population/table_sha256" in r]
         metrics |= ranks[0] | episode.metrics
@@ -147,7 +148,7 @@ def fit(run: MultiAgentRun) -> dict[str, float]:
             continue
         with timer("sync"):
             for name, episode in episodes.items():
-                run.agents[name].actor.call("sync_weights")
+                run.agents[name].actor.call(PPOWorker.sync_weights)
                 kl = run.agents[name].advance_kl(advantages[name], episode.batch)  # accepted steps only
                 metrics |= {f"agent/{name}/{k}": v for k, v in kl.items()}
         run.step += 1
@@ -198,7 +199,6 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
     from megatron_rlhf.orchestration.worker_group import ResourcePool, WorkerGroup
     from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
     from megatron_rlhf.trainer.ppo_driver import PPORun, kl_controller
-    from megatron_rlhf.trainer.ppo_worker import PPOWorker
     from megatron_rlhf.trainer.value_init import reward_model_source
 
     cfg = run.cfg
@@ -231,7 +231,7 @@ def _place(run: MultiAgentRun, configs: dict, sizes: dict, use_gpu: bool) -> Non
             group.build(PPOWorker, c, ("actor",), layouts[agent.name],
                         _updates(c, agent.name, run.mode, data.total))
             if len(members) > 1:  # the next agent's engine starts on the same device
-                group.call("release_rollout")
+                group.call(PPOWorker.release_rollout)
             run.log(f"agent {agent.name}: {agent.model_path}, layout {layouts[agent.name]} on pool "
                     f"{pool_name} ({len(members)} agent(s) sharing {pool.size} device(s))")
     run.agents = {a.name: run.agents[a.name] for a in cfg.agents}  # the config's order
@@ -243,7 +243,6 @@ def _place_judges(run: MultiAgentRun, configs: dict, data, use_gpu: bool, thread
     """A judge group per distinct reward model, built from the config of its first agent."""
     from megatron_rlhf.config.agents import judges
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
-    from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     cfg, size = run.cfg, run.cfg.multi_agent.judge_world_size
     for k, (path, names) in enumerate(judges(cfg).items()):
@@ -342,7 +341,7 @@ def start(run: MultiAgentRun) -> None:
     else:
         run.trim_metrics(-1, rows=0)
         for agent in run.agents.values():
-            agent.actor.call("sync_weights")
+            agent.actor.call(PPOWorker.sync_weights)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,
                                kept=kept)
     if run.step == 0 and t.val_before_train and next(iter(run.agents.values())).val:

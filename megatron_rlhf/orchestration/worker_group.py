@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from megatron_rlhf.errors import UserError
 
@@ -115,13 +115,16 @@ class WorkerGroup:
         """Construct ``factory(*args, **kwargs)`` on every rank (collectively)."""
         self._get([a.build.remote(factory, *args, **kwargs) for a in self.actors], "build")
 
-    def call(self, method: str, *args, **kwargs) -> list[Any]:
-        """``worker.method(*args, **kwargs)`` on every rank; results in rank order."""
+    def call(self, method: Callable, *args, **kwargs) -> list[Any]:
+        """``worker.method(*args, **kwargs)`` on every rank; results in rank order. ``method``
+        is the worker class's function (``group.call(PPOWorker.update_actor, batch, step)``), so
+        readers and tools can follow the call to its definition."""
         import ray
 
+        name = method.__name__
         # One object-store copy of large arguments, shared by every rank.
         args = tuple(ray.put(a) if _large(a) else a for a in args)
-        return self._get([a.call.remote(method, *args, **kwargs) for a in self.actors], method)
+        return self._get([a.call.remote(name, *args, **kwargs) for a in self.actors], name)
 
     def _get(self, refs: list, what: str) -> list[Any]:
         import ray

@@ -18,6 +18,7 @@ from megatron_rlhf.trainer.ppo_driver import PPORun, Timer, close_step, kl_contr
 from megatron_rlhf.trainer.ppo_experience import compute_advantages
 from megatron_rlhf.trainer.rl_run import check_inputs, finish
 from megatron_rlhf.trainer.run_data import reward_scorer, setup_data
+from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
 
 def fit(run: PPORun) -> dict[str, float]:
@@ -34,16 +35,16 @@ def fit(run: PPORun) -> dict[str, float]:
             batch.update(advantages=adv["advantages"], returns=adv["returns"])
             run.leave_out_untrained(gens, batch)
         with timer("update_critic"):
-            metrics = run.critic.call("update_critic", batch, run.step)[0] if uses_critic(cfg) else {}
+            metrics = run.critic.call(PPOWorker.update_critic, batch, run.step)[0] if uses_critic(cfg) else {}
         if run.step >= cfg.trainer.critic_warmup:
             with timer("update_actor"):
-                metrics |= run.actor.call("update_actor", batch, run.step, run.kl_loss_coef)[0]
+                metrics |= run.actor.call(PPOWorker.update_actor, batch, run.step, run.kl_loss_coef)[0]
         reason = run.guard_reason(metrics)
         if reason is not None:
             run.rollback(reason)
             continue
         with timer("sync"):
-            run.actor.call("sync_weights")
+            run.actor.call(PPOWorker.sync_weights)
         metrics |= run.advance_kl(adv, batch)
         run.step += 1
         metrics |= summarize_rollout(gens, scored, batch, adv) | sync_check | sampled | timer
@@ -103,7 +104,6 @@ def _place(cfg, arch, layout, world, use_gpu, started, total, steps_per_epoch, t
     """Worker groups on the Ray cluster: actor (+ critic when shared), or a critic group apart."""
     from megatron_rlhf.config.ppo_checks import check_layout, critic_parallel, optimizer_steps
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
-    from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
     separate = cfg.resource_pool.critic == "separate"
     updates = optimizer_steps(cfg, total, len(train[:cfg.data.train_batch_size]) * cfg.rollout.n)
@@ -151,7 +151,7 @@ def start(run: PPORun) -> None:
         run.log(f"resumed from step {saved[-1]} ({run.ckpt_root})")
     else:
         run.trim_metrics(-1, rows=0)  # a killed run that never saved starts over: drop its rows
-        run.actor.call("sync_weights")
+        run.actor.call(PPOWorker.sync_weights)
     run.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,
                                kept=kept)

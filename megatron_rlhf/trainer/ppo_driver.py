@@ -37,6 +37,7 @@ from megatron_rlhf.trainer.lifecycle import StopRequest
 from megatron_rlhf.trainer.loop import epoch_order
 from megatron_rlhf.trainer.ppo_experience import build_batch, sample_kl, token_kl
 from megatron_rlhf.trainer.rl_run import RLRunState
+from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
 
 class Timer(dict):
@@ -193,7 +194,7 @@ class PPORun(RLRunState):
                     for i, (_, s) in enumerate(chunk)]
             batch = build_batch([p.ids for p, _ in chunk], gens, self.pad_id)
             old = cat_rows([part[0] for part in stitch(
-                self.actor.call("compute_log_probs", batch, True, False))])
+                self.actor.call(PPOWorker.compute_log_probs, batch, True, False))])
             for row, (_, sample) in enumerate(chunk):
                 first = int(batch["loss_mask"][row].nonzero()[0])
                 sample.logprobs = old[row, first:first + len(sample.tokens)].tolist()
@@ -225,7 +226,7 @@ class PPORun(RLRunState):
 
             out = run_turns(self._generate_ids, ids, params, None, turns, self.feedback_ids,
                             score_many=check)
-            self.actor.call("release_rollout")
+            self.actor.call(PPOWorker.release_rollout)
             return out
         return self._generate_ids(ids, params, release=True)  # one round trip, not two
 
@@ -239,7 +240,7 @@ class PPORun(RLRunState):
 
     def _generate_ids(self, ids: list[list[int]], params: SamplingParams,
                       release: bool = False) -> list[Generation]:
-        per_replica = self.actor.call("generate", ids, params, release)
+        per_replica = self.actor.call(PPOWorker.generate, ids, params, release)
         out, offset = [], 0
         for part in stitch(per_replica):
             for g in part:
@@ -256,7 +257,7 @@ class PPORun(RLRunState):
         calls = _calls(texts, [prompts[g.prompt_index] for g in gens])
         values = rm = None
         if uses_critic(self.cfg) or self.cfg.reward.model_path:
-            parts = stitch(self.critic.call("compute_values", batch))
+            parts = stitch(self.critic.call(PPOWorker.compute_values, batch))
             values, rm = (cat_rows(p) for p in zip(*parts))
         batch["values"] = values
         batch["scores_from_rm"] = rm is not None  # SPPO's preference model (auto)
@@ -310,7 +311,7 @@ class PPORun(RLRunState):
         need_old, need_ref = not reuses_update_log_probs(self.cfg), uses_reference(self.cfg)
         if not (need_old or need_ref):
             return {}
-        parts = stitch(self.actor.call("compute_log_probs", batch, need_old, need_ref))
+        parts = stitch(self.actor.call(PPOWorker.compute_log_probs, batch, need_old, need_ref))
         old, ref = (cat_rows(p) for p in zip(*parts))
         batch["old_logprobs"], batch["ref_logprobs"] = old, ref
         if old is None:
@@ -462,9 +463,9 @@ class PPORun(RLRunState):
             self.lr_scale, self.rollbacks = state["lr_scale"], state["rollbacks"]
             self.kl_loss_scale = state.get("kl_loss_scale", 1.0)  # absent before it existed
         for group in self.groups():
-            group.call("load", str(self.ckpt_root), step, self.lr_scale)
+            group.call(PPOWorker.load, str(self.ckpt_root), step, self.lr_scale)
         self.step = self.last_saved = step
-        self.actor.call("sync_weights")
+        self.actor.call(PPOWorker.sync_weights)
         return state
 
     # ------------------------------------------------------------------ guard

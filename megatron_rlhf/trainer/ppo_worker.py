@@ -23,8 +23,8 @@ from megatron_rlhf.config.ppo_checks import (critic_epochs, critic_parallel, sco
                                            uses_critic,
                                            uses_reference)
 from megatron_rlhf.config.ppo_schema import PPOConfig
-from megatron_rlhf.convert.checkpoints import read_hf_arch
 from megatron_rlhf.checkpoint.hf_io import HFReader
+from megatron_rlhf.convert.checkpoints import read_hf_arch
 from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups

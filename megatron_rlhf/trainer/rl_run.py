@@ -12,6 +12,7 @@ import time
 
 from megatron_rlhf.errors import RunStopped
 from megatron_rlhf.trainer.lifecycle import MetricsFile, mark_finished
+from megatron_rlhf.trainer.ppo_worker import PPOWorker
 
 
 class RLRunState:
@@ -49,7 +50,7 @@ class RLRunState:
         """Every model at this step; pruned once committed (at once unless asynchronous)."""
         started = time.perf_counter()
         rows = {"metrics_rows": self.metrics.rows()}
-        seconds = [group.call("save", str(root), self.step, {**state, **rows})
+        seconds = [group.call(PPOWorker.save, str(root), self.step, {**state, **rows})
                    for group, root, state in self.saving_groups()]
         self.last_saved = self.step
         blocked = time.perf_counter() - started
@@ -64,7 +65,7 @@ class RLRunState:
         then prune. Every group's ranks take part (the commit is a collective per group)."""
         committed = []
         for group, _, _ in self.saving_groups():
-            committed += [pair for rank in group.call("finalize_saves", blocking) for pair in rank]
+            committed += [pair for rank in group.call(PPOWorker.finalize_saves, blocking) for pair in rank]
         if self.cfg.trainer.async_save and committed:
             self.log(f"checkpoint step(s) {sorted({step for _, step in committed})} committed")
         self.prune_saved()
@@ -75,7 +76,7 @@ class RLRunState:
         reason = self.stop.reason() if self.stop is not None else None
         if reason is None:
             for group in self.stop_groups():
-                names = [r for r in group.call("stop_signal") if r]
+                names = [r for r in group.call(PPOWorker.stop_signal) if r]
                 if names:
                     return f"{names[0]} received by worker group {group.name}"
         return reason
