@@ -212,3 +212,22 @@ def test_every_registered_estimator_gives_per_token_advantages_on_the_mask():
     assert ADV_ESTIMATORS == tuple(ESTIMATORS)
     assert set(GROUP_ESTIMATORS) == {n for n, e in ESTIMATORS.items() if e.group_based}
     assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
+
+
+def test_policy_losses_come_from_one_registry():
+    """The config's names are the registry's; each loss keeps its own default clip."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.algorithms.policy_losses import POLICY_LOSS_REGISTRY, POLICY_LOSSES, clip_range
+
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "sppo"} == set(POLICY_LOSS_REGISTRY)
+    actor = lambda loss, **kw: SimpleNamespace(policy_loss=loss, clip_ratio=0.2, clip_ratio_low=None,  # noqa: E731
+                                               clip_ratio_high=None, clip_ratio_c=3.0, sppo_eta=1.0, **kw)
+    assert clip_range(actor("vanilla")) == (0.2, 0.2) and clip_range(actor("gspo")) == (3e-4, 4e-4)
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.1, -0.2, 0.0], [0.05, 0.0, 0.0]])
+    mask, adv = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]), torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0]])
+    for name, entry in POLICY_LOSS_REGISTRY.items():
+        agg = "seq-mean-token-mean"
+        out = entry.compute(old, new, adv, mask, actor(name), clip_range(actor(name)), agg, None, 3)
+        assert out.loss.dim() == 0 and torch.isfinite(out.loss), name

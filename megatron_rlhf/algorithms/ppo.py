@@ -15,7 +15,6 @@ from megatron_rlhf.algorithms.advantages import masked_mean
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
              "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
-POLICY_LOSSES = ("vanilla", "gspo", "sppo")
 
 
 def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from megatron_rlhf.algorithms.estimators import ESTIMATORS, estimator
-from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from megatron_rlhf.algorithms.policy_losses import POLICY_LOSSES
+from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
 from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
 from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive

@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
-from megatron_rlhf.algorithms.ppo import (PolicyLossOutput, aggregate, aggregate_denominator,
-                                          entropy_from_logits, gspo_policy_loss, kl_estimate,
-                                          policy_loss, value_loss)
-from megatron_rlhf.algorithms.sppo import sppo_loss
+from megatron_rlhf.algorithms.policy_losses import POLICY_LOSS_REGISTRY, clip_range
+from megatron_rlhf.algorithms.ppo import (aggregate, aggregate_denominator, entropy_from_logits,
+                                          kl_estimate, value_loss)
 from megatron_rlhf.data.packing import grid_tensor, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.forward import gather_vocab_parallel, token_cross_entropy
@@ -53,19 +52,12 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
     take = lambda key: grid_tensor(batch, key).to(logits.device)  # noqa: E731
     mask = take("loss_mask")
     logprob = grid_logprobs(logits, batch, vocab_size, groups, temperature)
-    clip_low, clip_high = clip_range(cfg)
     # Without stored old log-probs the update is on-policy (see reuses_update_log_probs).
     old = take("old_logprobs") if _has(batch, "old_logprobs") else logprob.detach()
     weights = take("is_weights") if _has(batch, "is_weights") else None
     agg = cfg.loss_agg_mode
-    if cfg.policy_loss == "sppo":
-        out = _sppo(old, logprob, take("advantages"), mask, cfg.sppo_eta)
-    elif cfg.policy_loss == "gspo":
-        out = gspo_policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high, agg,
-                               weights, horizon)
-    else:
-        out = policy_loss(old, logprob, take("advantages"), mask, clip_low, clip_high,
-                          cfg.clip_ratio_c or None, agg, weights, horizon)
+    out = POLICY_LOSS_REGISTRY[cfg.policy_loss].compute(old, logprob, take("advantages"), mask, cfg,
+                                                        clip_range(cfg), agg, weights, horizon)
     loss = out.loss
     with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):
         entropy = to_grid(token_entropy(logits, vocab_size, groups, temperature), batch)
@@ -86,26 +78,6 @@ def actor_loss(logits: torch.Tensor, batch: dict, *, vocab_size: int, groups: Pa
                "kl": masked_mean(kl.detach(), mask) * tokens, "tokens": tokens,
                "count": torch.tensor(float(mask.shape[0]))}
     return loss * scale, metrics
-
-
-def _sppo(old: torch.Tensor, logprob: torch.Tensor, advantages: torch.Tensor,
-          mask: torch.Tensor, eta: float) -> PolicyLossOutput:
-    """SPPO's per-sequence squared gap, meaned over the micro-batch's responses: spread evenly
-    over each response's tokens, so every seq-mean-* aggregation (and its denominator) gives it."""
-    tokens = mask.sum(dim=1).clamp(min=1.0)
-    targets = (advantages * mask).sum(dim=1) / tokens  # the same value on every token
-    per_sequence = sppo_loss(old, logprob, eta * targets, mask)
-    loss = aggregate(per_sequence[:, None] * mask / tokens[:, None], mask, "seq-mean-token-sum")
-    return PolicyLossOutput(loss, torch.zeros(()), masked_mean(old - logprob, mask), torch.zeros(()))
-
-
-def clip_range(cfg) -> tuple[float, float]:
-    """(low, high) clip of the importance ratio: ``clip_ratio_low/high`` when set, else
-    ``clip_ratio`` for PPO and GSPO's own 3e-4 / 4e-4 (its ratio is a per-token geometric mean,
-    three orders of magnitude closer to 1)."""
-    default = (3e-4, 4e-4) if cfg.policy_loss == "gspo" else (cfg.clip_ratio, cfg.clip_ratio)
-    return (default[0] if cfg.clip_ratio_low is None else cfg.clip_ratio_low,
-            default[1] if cfg.clip_ratio_high is None else cfg.clip_ratio_high)
 
 
 def _has(batch: dict, key: str) -> bool:
