@@ -74,9 +74,6 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _choice("actor.dtype", a.dtype, ("auto", "float32", "bfloat16"))
     _choice("rollout.backend", r.backend, ("hf", "sglang"))
-    if not 0 < r.gpu_memory_utilization < 1:
-        raise UserError(f"config: rollout.gpu_memory_utilization={r.gpu_memory_utilization} must "
-                        "be between 0 and 1 (a fraction of each GPU)")
     _choice("resource_pool.critic", cfg.resource_pool.critic, ("shared", "separate"))
     check_parallel("actor.parallel", a.parallel, a.moe)
     if cfg.critic.parallel is not None:
@@ -126,6 +123,9 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
 def _check_ranges(cfg: PPOConfig) -> None:
     """Optimizers, clip ratios, sampling parameters and the critic pool size."""
     a, r = cfg.actor, cfg.rollout
+    if not 0 < r.gpu_memory_utilization < 1:
+        raise UserError(f"config: rollout.gpu_memory_utilization={r.gpu_memory_utilization} must "
+                        "be between 0 and 1 (a fraction of each GPU)")
     check_optim("actor.optim", a.optim)
     check_optim("critic.optim", cfg.critic.optim)
     for name in ("clip_ratio_low", "clip_ratio_high"):

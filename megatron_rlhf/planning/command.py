@@ -144,10 +144,10 @@ def run_plan(args) -> int:
 
         run = replace(run, **extra)
         layout = layout.resolve(args.gpus, arch.shape)
-        plans = rank([evaluate(arch, layout, hw, run)], hw, run)
         if run.global_batch % (layout.dp * run.micro_batch):
             raise UserError(f"plan: {run.global_batch} rows per step do not split into "
                             f"micro-batches of {run.micro_batch} over dp={layout.dp}")
+        plans = rank([evaluate(arch, layout, hw, run)], hw, run)
     else:
         run = Run(seq=args.seq_len, micro_batch=args.micro_batch, global_batch=args.global_batch,
                   recompute=args.recompute, **extra)

@@ -34,10 +34,13 @@ class Buffer:
     spans: list[tuple[int, int]]  # (start, end) of each parameter, ascending
     dp: int  # ranks its buckets are sharded over (the distributed optimizer)
 
+    def __post_init__(self):
+        object.__setattr__(self, "starts", [s for s, _ in self.spans])
+
     def real_in(self, start: int, end: int) -> int:
         """Elements of parameters (not padding) in ``[start, end)``."""
         count = 0
-        first = max(bisect.bisect_right([s for s, _ in self.spans], start) - 1, 0)
+        first = max(bisect.bisect_right(self.starts, start) - 1, 0)
         for s, e in self.spans[first:]:
             if s >= end:
                 break

@@ -88,8 +88,8 @@ class LayoutPlan:
                 "state_bytes_by_optimizer": self.state_variants}
 
 
-def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int, run: Run,
-                 hw: Hardware) -> tuple[dict[str, float], int]:
+def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
+                 run: Run) -> tuple[dict[str, float], int]:
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     expert_dp = layout.tp * layout.dp // (layout.ep * layout.etp)
     te = run.kernels == "te"  # Transformer Engine's specs replicate MLA's down projections
@@ -153,9 +153,10 @@ def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) ->
     stages = layout.stage_layers(arch.num_layers)
     candidates = sorted({0, min(1, layout.pp - 1), layout.pp - 1})  # middle stages are alike
     engine, notes = (_engine_bytes(arch, run, hw) if run.rollout else (0.0, []))
-    best = None
+    best, max_params = None, 0
     for stage in candidates:
-        terms, params = _stage_terms(arch, layout, stage, run, hw)
+        terms, params = _stage_terms(arch, layout, stage, run)
+        max_params = max(max_params, params)
         variants = terms.pop("_variants")
         resident = sum(v for k, v in terms.items() if k not in ("activations", "logits"))
         training = resident + terms["activations"] + terms["logits"]
@@ -166,7 +167,6 @@ def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) ->
         if best is None or total > best[0]:
             best = (total, terms, variants)
     total, terms, variants = best
-    max_params = max(_stage_terms(arch, layout, s, run, hw)[1] for s in candidates)
     limit = hw.gpu_mem_gib * GIB
     largest = max(terms, key=terms.get)
     return LayoutPlan(layout, stages, max_params, terms, total, total <= limit, largest, notes,
