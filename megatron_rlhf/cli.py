@@ -16,28 +16,21 @@ from megatron_rlhf.errors import EXIT_STOPPED, EXIT_USER_ERROR, RunStopped, User
 
 
 def _rm():
-    from megatron_rlhf.trainer.rm_trainer import train_rm
+    from megatron_rlhf.trainers.rm import train_rm
 
     return train_rm
 
 
 def _sft():
-    from megatron_rlhf.trainer.sft_trainer import train_sft
+    from megatron_rlhf.trainers.sft import train_sft
 
     return train_sft
 
 
 def _ppo():
-    def train(cfg):
-        if cfg.agents:  # several actors trained together
-            from megatron_rlhf.multi_agent.driver import train_agents
+    from megatron_rlhf.trainers.rl.fit import train_ppo
 
-            return train_agents(cfg)
-        from megatron_rlhf.trainer.main_ppo import train_ppo
-
-        return train_ppo(cfg)
-
-    return train
+    return train_ppo
 
 
 def _schema(name, module="schema"):

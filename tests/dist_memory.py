@@ -25,7 +25,7 @@ from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.planning.activations import Workload, decoder_saved_bytes  # noqa: E402
 from megatron_rlhf.planning.memory import train_state_bytes  # noqa: E402
 from megatron_rlhf.planning.params import rank_tensors  # noqa: E402
-from megatron_rlhf.trainer.engine import make_trainable, train_step  # noqa: E402
+from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_parity import layout_groups  # noqa: E402

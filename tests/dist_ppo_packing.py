@@ -20,10 +20,10 @@ from megatron_rlhf.config.ppo_schema import ActorConfig  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.models.forward import pipeline_forward  # noqa: E402
 from megatron_rlhf.rollout.base import Generation  # noqa: E402
-from megatron_rlhf.trainer.engine import make_trainable, reduce_metrics, train_step  # noqa: E402
-from megatron_rlhf.trainer.ppo_experience import build_batch  # noqa: E402
-from megatron_rlhf.trainer.ppo_losses import actor_loss, grid_logprobs  # noqa: E402
-from megatron_rlhf.trainer.ppo_worker import ACTOR_KEYS, micro_batches  # noqa: E402
+from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics, train_step  # noqa: E402
+from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
+from megatron_rlhf.trainers.rl.losses import actor_loss, grid_logprobs  # noqa: E402
+from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS, micro_batches  # noqa: E402
 from megatron_rlhf.data.packing import grid_tensor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

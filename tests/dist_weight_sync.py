@@ -24,8 +24,8 @@ from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
 from megatron_rlhf.rollout.base import SamplingParams  # noqa: E402
 from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
 from megatron_rlhf.rollout.weight_sync import WeightSync  # noqa: E402
-from megatron_rlhf.trainer.ppo_experience import build_batch  # noqa: E402
-from megatron_rlhf.trainer.ppo_losses import token_logprobs  # noqa: E402
+from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
+from megatron_rlhf.trainers.rl.losses import token_logprobs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_parity import from_hf, max_over_world  # noqa: E402

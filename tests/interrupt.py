@@ -60,11 +60,24 @@ def wait_until(proc: subprocess.Popen, condition, timeout: float = 300) -> bool:
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL to every process of the run's session, as a node failure would."""
+    """SIGKILL to every process of the run at once, as a node failure would: its session and
+    every descendant (Ray's workers leave the session; left alive for a moment they could
+    still commit the checkpoint being written)."""
+    import psutil
+
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for member in family:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
     time.sleep(0.5)  # let the kernel reap Ray's daemons before the next launch
 

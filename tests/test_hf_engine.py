@@ -54,8 +54,8 @@ def test_rollout_correction_on_a_perturbed_engine(engine_and_reference, tiny_mod
     from types import SimpleNamespace
 
     from megatron_rlhf.config.ppo_schema import PPOConfig
-    from megatron_rlhf.trainer.ppo_driver import PPORun
-    from megatron_rlhf.trainer.ppo_experience import build_batch
+    from megatron_rlhf.trainers.rl.agent import PPORun
+    from megatron_rlhf.trainers.rl.experience import build_batch
 
     _, reference = engine_and_reference
     perturbed = copy.deepcopy(reference)

@@ -118,7 +118,7 @@ def test_folders_import_only_what_docs_architecture_allows():
 def test_a_forbidden_import_is_reported():
     graph, allowed = import_graph(), allowed_imports()
     graph["megatron_rlhf.checkpoint.train_ckpt"] = graph["megatron_rlhf.checkpoint.train_ckpt"] | {
-        "megatron_rlhf.trainer.engine"}
+        "megatron_rlhf.trainers.engine"}
     assert layering_violations(graph, allowed) == [
-        "megatron_rlhf.checkpoint.train_ckpt imports megatron_rlhf.trainer.engine: "
-        "checkpoint may not import trainer"]
+        "megatron_rlhf.checkpoint.train_ckpt imports megatron_rlhf.trainers.engine: "
+        "checkpoint may not import trainers"]

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_rlhf.config.stopping import JOB_START_ENV, stop_deadline, stop_signals
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.trainer.lifecycle import (MetricsFile, StopRequest, finished, mark_finished,
+from megatron_rlhf.trainers.lifecycle import (MetricsFile, StopRequest, finished, mark_finished,
                                              run_fingerprint)
 
 

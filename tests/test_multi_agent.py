@@ -20,12 +20,18 @@ VOLATILE = ("timing/", "throughput/")
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
+    return build_workspace(tmp_path_factory.mktemp("agents"))
+
+
+def build_workspace(root: Path) -> Path:
+    """Task data, a tiny base policy, a random reward model on its vocabulary, the same reward
+    model negated, and a perturbed copy of the base."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from megatron_rlhf.models.tiny import tiny_config
     from tests.tiny_models import build_task_workspace
 
-    ws = build_task_workspace(tmp_path_factory.mktemp("agents"), train=128, val=8, seed=0)
+    ws = build_task_workspace(root, train=128, val=8, seed=0)
     # A random Bradley-Terry head on the same vocabulary: the shared judge.
     tokenizer = AutoTokenizer.from_pretrained(ws / "base")
     config = tiny_config("qwen2", "value", vocab_size=len(tokenizer), num_layers=2,
@@ -67,7 +73,7 @@ def overrides(ws: Path, out: Path, *extra: str) -> list[str]:
             "algorithm.adv_estimator=sppo", "actor.policy_loss=sppo", "actor.sppo_eta=2.0",
             "actor.loss_agg_mode=seq-mean-token-mean", "algorithm.use_kl_in_reward=false",
             "reward.fn=addition", "trainer.logger=tensorboard", f"trainer.output_dir={out}",
-            "trainer.eval_every_steps=0", *extra]
+            "trainer.eval_every_steps=0", "multi_agent.mode=population", *extra]
 
 
 def ppo(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -86,10 +92,11 @@ def test_one_table_for_every_rank_and_an_update_touches_only_its_agent(workspace
     table (same digest), and a's update leaves b's weights bitwise equal."""
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_schema import PPOConfig
-    from megatron_rlhf.multi_agent.driver import setup, shutdown, start
+    from megatron_rlhf.trainers.rl.fit import start
+    from megatron_rlhf.trainers.rl.placement import setup, shutdown
     from megatron_rlhf.orchestration.cluster import stop_ray
-    from megatron_rlhf.trainer.ppo_driver import Timer
-    from megatron_rlhf.trainer.ppo_worker import PPOWorker
+    from megatron_rlhf.trainers.rl.agent import Timer
+    from megatron_rlhf.trainers.rl.worker import PPOWorker
 
     cfg = load_config(PPOConfig, None, overrides(
         workspace, tmp_path / "run", "agents.1.world_size=2",
@@ -105,16 +112,25 @@ def test_one_table_for_every_rank_and_an_update_touches_only_its_agent(workspace
         table = episodes["a"].population["preferences"]
         assert episodes["a"].scored["rm"] is not None  # the judge scored them
         expected = hashlib.sha256(table.contiguous().numpy().tobytes()).hexdigest()
-        _, seen_a, _ = run.update("a", episodes["a"], 0, Timer())
+        seen_a = run.update("a", episodes["a"], Timer()).digests
         assert a.call(PPOWorker.weights_digest) != before_a
         assert b.call(PPOWorker.weights_digest) == before_b  # bitwise: a's step never reached b
-        _, seen_b, _ = run.update("b", episodes["b"], 0, Timer())
+        seen_b = run.update("b", episodes["b"], Timer()).digests
         assert seen_a == [expected] and seen_b == [expected, expected]
         assert abs(metrics["population/win_rate/a/b"] + metrics["population/win_rate/b/a"] - 1) < 1e-6
     finally:
         shutdown(run)
         stop_ray(run.ray_started)
 
+
+GAE_STEPS, GAE_VF_FACTOR, GAE_GAIN = 8, 0.5, 0.0  # bars set below the worst of the measured spread
+GAE_OVERRIDES = lambda ws: (  # noqa: E731
+    "multi_agent.mode=critique-revise", "multi_agent.answerer=a", "algorithm.adv_estimator=gae",
+    "actor.policy_loss=vanilla", "actor.loss_agg_mode=token-mean", f"reward.model_path={ws / 'rm'}",
+    "reward.fn=null", "reward.oracle_fn=addition", "critic.optim.lr=1e-3", "critic.optim.min_lr=1e-3")
+GAE_RUN = (f"trainer.max_steps={GAE_STEPS}", "trainer.val_before_train=false",
+           "trainer.save_every_steps=0", "actor.ppo_mini_batch_size=8",
+           "actor.ppo_micro_batch_size_per_rank=8", "actor.ppo_epochs=2")
 
 POPULATION = ("trainer.max_steps=2", "trainer.save_every_steps=1", "trainer.keep_last_n=2",
               "trainer.val_before_train=false")
@@ -211,6 +227,52 @@ def test_two_player_modes_train_both_agents(workspace, tmp_path, mode, extra):
         for r in steps:
             assert r["agent/a/reward/rm_mean"] != 0.0
             assert r["agent/b/reward/rm_mean"] == pytest.approx(-r["agent/a/reward/rm_mean"], rel=1e-5)
+
+
+def test_two_agents_side_by_side_each_sample_dynamically(workspace, tmp_path):
+    """``multi_agent.mode=solo`` with two agents: each rolls out on its own, with DAPO's dynamic
+    sampling (rounds of generation until its batch holds groups with signal), and trains on
+    its own batch; each agent's checkpoints in its own folder."""
+    out = tmp_path / "dapo"
+    done = ppo(overrides(workspace, out, "multi_agent.mode=solo", "algorithm.adv_estimator=grpo",
+                         "actor.policy_loss=vanilla", "actor.loss_agg_mode=token-mean",
+                         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=oracle",
+                         "algorithm.filter_groups.max_rounds=3", "rollout.temperature=1.0",
+                         "trainer.max_steps=2", "trainer.val_before_train=false"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [r for r in rows(out) if "agent/a/actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        for name in ("a", "b"):
+            key = f"agent/{name}/dapo/"
+            assert 1 <= r[key + "rounds"] <= 3 and r[key + "trained_groups"] <= 4
+            assert r[key + "kept_groups"] + r[key + "dropped_groups"] >= 4
+            assert math.isfinite(r[f"agent/{name}/actor/pg_loss"])
+    raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("timing/gen/a" in r and "timing/gen/b" in r for r in raw if "agent/a/actor/pg_loss" in r)
+    for name in ("a", "b"):
+        assert (out / "agents" / name / "checkpoints" / "actor" / "step_00000002").is_dir()
+
+
+def test_an_answerer_with_a_critic_of_its_own_learns_in_critique_revise(workspace, tmp_path):
+    """GAE in a two-player mode: each agent trains a critic of its own (in its own group, beside
+    its reward model) on the tokens it wrote; the answerer's critic loss falls and the reward
+    its final answers earn rises."""
+    out = tmp_path / "gae"
+    done = ppo(overrides(workspace, out, *GAE_OVERRIDES(workspace), *GAE_RUN))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "judge" not in done.stdout  # each agent hosts its reward model beside its critic
+    steps = [r for r in rows(out) if "agent/a/critic/vf_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, GAE_STEPS + 1))
+    assert all("agent/b/critic/vf_loss" in r for r in steps)
+    half = GAE_STEPS // 2
+    first, last = steps[:half], steps[-half:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "agent/a/critic/vf_loss") < GAE_VF_FACTOR * mean(first, "agent/a/critic/vf_loss")
+    assert mean(last, "agent/a/reward/score_mean") > mean(first, "agent/a/reward/score_mean") + GAE_GAIN
+    for name in ("a", "b"):
+        for role in ("actor", "critic"):
+            assert (out / "agents" / name / "checkpoints" / role / f"step_{GAE_STEPS:08d}").is_dir()
 
 
 def test_a_causal_lm_as_an_agents_reward_model_is_one_line(workspace, tmp_path):

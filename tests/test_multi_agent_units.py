@@ -12,9 +12,9 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.tasks import parse_question
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.config.agents import agent_config, check_agents, judges, pools
-from megatron_rlhf.multi_agent.modes import CritiqueRevise, Population, ProposerSolver
+from megatron_rlhf.trainers.rl.modes import CritiqueRevise, Population, ProposerSolver
 from megatron_rlhf.rollout.base import Generation
-from megatron_rlhf.trainer.ppo_driver import PPORun, Timer
+from megatron_rlhf.trainers.rl.agent import PPORun, Timer
 
 
 def test_win_matrix_matches_a_loop_and_is_complementary():
@@ -50,19 +50,20 @@ def _cfg(*overrides):
     base = ["data.train_files=[x.parquet]", "agents=[{name: a, model_path: m1}, {name: b, model_path: m2}]",
             "algorithm.adv_estimator=sppo", "actor.policy_loss=sppo",
             "actor.loss_agg_mode=seq-mean-token-mean", "reward.fn=addition",
-            "algorithm.use_kl_in_reward=false"]
+            "algorithm.use_kl_in_reward=false", "multi_agent.mode=population"]
     return load_config(PPOConfig, None, base + list(overrides))
 
 
 @pytest.mark.parametrize("overrides,message", [
     (["agents=[{name: a, model_path: m}, {name: a, model_path: n}]"], "clashes with an earlier agent"),
-    (["agents=[{name: a, model_path: m}]"], "needs two or more"),
+    (["agents=[{name: a, model_path: m}]"], "population plays two or more agents"),
     (["agents=[{name: 'a b', model_path: m}, {name: c, model_path: n}]"], "must be letters"),
     (["multi_agent.mode=chess"], "multi_agent.mode='chess' must be one of"),
     (["algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla"], "population trains every agent with SPPO"),
     (["multi_agent.mode=proposer-solver"], "scores each agent on its own"),
     (["multi_agent.proposer=zed"], "multi_agent.proposer='zed' is not an agent"),
-    (["algorithm.filter_groups.enable=true"], "not supported with agents"),
+    (["algorithm.filter_groups.enable=true"], "not supported with multi_agent.mode=population"),
+    (["resource_pool.critic=separate", "multi_agent.mode=solo"], "for one agent"),
     (["reward.model_path=rm", "agents.1.reward_model_path=rm_b"], "needs one preference model"),
     (["agents.1.reward_model_path=rm_b"], "needs one preference model"),  # b an RM, a none
     (["multi_agent.mode=proposer-solver", "algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla",
@@ -92,7 +93,7 @@ def test_agent_configs_and_pools():
     cfg.agents[0].reference_path, cfg.actor.ref_model_path = "r0", "shared_ref"
     assert agent_config(cfg, cfg.agents[0], 0).actor.ref_model_path == "r0"
     assert agent_config(cfg, cfg.agents[1], 1).actor.ref_model_path == "shared_ref"
-    assert {k: [a.name for a in v] for k, v in pools(cfg).items()} == {"shared": ["a", "c"],
+    assert {k: [a.name for a in v] for k, v in pools(cfg.agents).items()} == {"shared": ["a", "c"],
                                                                        "agent-b": ["b"]}
 
 
@@ -174,7 +175,7 @@ class Scripted:
         return self._generate_ids([list(p.ids) for p in prompts], params)
 
     def scores(self, prompts, gens, batch):
-        from megatron_rlhf.trainer.ppo_driver import _last_turn
+        from megatron_rlhf.trainers.rl.agent import _last_turn
 
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
         values = torch.tensor([self.score_fn(t, prompts[g.prompt_index]) for t, g in zip(texts, gens)])
@@ -192,7 +193,7 @@ class Run:
 
 
 def _prompt(tokenizer, text, truth=None):
-    from megatron_rlhf.multi_agent.modes import _user_prompt
+    from megatron_rlhf.trainers.rl.modes import _user_prompt
 
     return _user_prompt(tokenizer, text, truth)
 
@@ -325,7 +326,7 @@ class Saved:
 
 
 def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp_path, capsys):
-    from megatron_rlhf.multi_agent.driver import MultiAgentRun
+    from megatron_rlhf.trainers.rl.run import RLRun as MultiAgentRun
 
     cfg = _cfg(f"trainer.output_dir={tmp_path}", "trainer.rollback.max_rollbacks=1")
     agents = {"a": Saved({2, 4, 6}, cfg), "b": Saved({2, 4}, cfg)}  # killed before b saved step 6
@@ -351,7 +352,7 @@ def test_the_workers_targets_come_from_the_table_row_by_row():
     agent's samples' targets (win rate against all samples of the prompt, minus 1/2)."""
     import hashlib
 
-    from megatron_rlhf.trainer.ppo_worker import population_advantages
+    from megatron_rlhf.trainers.rl.worker import population_advantages
 
     gen = torch.Generator().manual_seed(3)
     scores = torch.randn(12, generator=gen)

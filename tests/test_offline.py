@@ -73,7 +73,7 @@ def test_bad_offline_files_name_what_and_where(tokenizer, tmp_path, columns, mes
 def test_offline_only_step_trains_with_hand_computed_importance_weights(tokenizer, tmp_path):
     """A step made of offline samples only: the rollout correction weights each token by
     min(pi_old / pi_behaviour, C) from the file's behaviour log-probs."""
-    from megatron_rlhf.trainer.ppo_driver import PPORun, Timer
+    from megatron_rlhf.trainers.rl.agent import PPORun, Timer
 
     _, tokens = _reply_tokens(tokenizer, "What is 2 + 3?", "The answer is 5.")
     behaviour = [-1.0, -2.0, -0.5] + [-0.1] * (len(tokens) - 3)

@@ -108,6 +108,45 @@ def test_resume_after_kill_reproduces_the_run_exactly(workspace, uninterrupted, 
     assert metrics(out) == reference
 
 
+def checkpoint_tensors(step_dir: Path) -> dict:
+    """Every tensor of a checkpoint's model folder, read without a process group."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(step_dir / "model"), f"{tmp}/all.pt")
+        state = torch.load(f"{tmp}/all.pt", weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_one_agent_as_a_list_is_the_plain_run(workspace, uninterrupted, tmp_path):
+    """``agents:`` of one agent with no ``multi_agent.mode`` is the plain run through the same
+    loop: every metrics row with the same names and (timings aside) values, and the same
+    checkpoints, actor and critic, tensor for tensor, bitwise."""
+    import torch
+
+    reference = uninterrupted[0]
+    out = tmp_path / "listed"
+    listed = f"agents=[{{name: solo, model_path: {workspace / 'base'}, world_size: 1}}]"
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, *FULL_RUN, listed)))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    names = [sorted(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert names == [sorted(json.loads(line)) for line in
+                     (reference / "metrics.jsonl").read_text().splitlines()]
+    assert metrics(out) == metrics(reference)
+    assert not (out / "agents").exists()
+    for role in ("actor", "critic"):
+        steps = sorted(p.name for p in (reference / "checkpoints" / role).iterdir())
+        assert sorted(p.name for p in (out / "checkpoints" / role).iterdir()) == steps
+        for step in steps:
+            ours = checkpoint_tensors(out / "checkpoints" / role / step)
+            theirs = checkpoint_tensors(reference / "checkpoints" / role / step)
+            assert ours.keys() == theirs.keys() and len(ours) > 10
+            assert all(torch.equal(ours[k], theirs[k]) for k in ours), (role, step)
+
+
 def test_rollback_on_kl_spike_restores_and_stops(workspace, tmp_path):
     out = tmp_path / "run"
     code, stdout, stderr = finish(ppo(overrides(workspace, out, "trainer.max_steps=2",

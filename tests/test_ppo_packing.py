@@ -7,7 +7,7 @@ import torch
 
 from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
 from megatron_rlhf.rollout.base import Generation
-from megatron_rlhf.trainer.ppo_experience import build_batch
+from megatron_rlhf.trainers.rl.experience import build_batch
 
 from tests.torchrun import torchrun_results
 

@@ -9,8 +9,8 @@ from megatron_rlhf.config.ppo_checks import check_layout, optimizer_steps, valid
 from megatron_rlhf.config.ppo_schema import AlgorithmConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.rollout.base import Generation
-from megatron_rlhf.trainer.ppo_experience import build_batch, compute_advantages, sample_kl
-from megatron_rlhf.trainer.ppo_worker import dp_slice
+from megatron_rlhf.trainers.rl.experience import build_batch, compute_advantages, sample_kl
+from megatron_rlhf.trainers.rl.worker import dp_slice
 
 
 def test_build_batch_puts_response_tokens_on_the_target_grid():
@@ -85,8 +85,8 @@ def test_logged_value_loss_is_the_optimised_mini_batch_loss(mode):
     """Micro-batches of unequal token counts: the logged loss is the whole batch's aggregate in
     every loss_agg_mode (sequence means were once weighted by tokens)."""
     from megatron_rlhf.algorithms.ppo import value_loss
-    from megatron_rlhf.trainer.ppo_losses import critic_loss
-    from megatron_rlhf.trainer.ppo_worker import CRITIC_KEYS, _average
+    from megatron_rlhf.trainers.rl.losses import critic_loss
+    from megatron_rlhf.trainers.rl.worker import CRITIC_KEYS, _average
 
     generator = torch.Generator().manual_seed(0)
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 1]])
@@ -250,7 +250,7 @@ def _fake_checkpoints(root, role, steps):
 
 
 def test_a_kill_between_two_models_saves_leaves_a_step_to_resume_and_pruning_heals(tmp_path):
-    from megatron_rlhf.trainer.ppo_driver import PPORun
+    from megatron_rlhf.trainers.rl.agent import PPORun
 
     cfg = _config(f"trainer.output_dir={tmp_path}", "trainer.keep_last_n=1", "algorithm.adv_estimator=gae")
     run = PPORun(cfg, None, None, None, [], [], [], None, None, 10, 10)
@@ -267,7 +267,9 @@ def test_a_kill_between_two_models_saves_leaves_a_step_to_resume_and_pruning_hea
     assert {p.name for p in (root / "critic").iterdir()} == {"step_00000012"}
     # A metrics line cut off by the kill does not stop the resume.
     (tmp_path / "metrics.jsonl").write_text('{"step": 11}\n{"step": 12}\n{"step": 13, "a": 1.')
-    run.trim_metrics(12)
+    from megatron_rlhf.trainers.rl.run import RLRun
+
+    RLRun(cfg, {"actor": run}, None, 10).trim_metrics(12)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 11}\n{"step": 12}\n'
 
 
@@ -283,7 +285,7 @@ def test_each_model_schedules_its_own_epochs():
 
 
 def test_ranks_without_rows_do_not_drop_the_others_results():
-    from megatron_rlhf.trainer.ppo_driver import cat_rows
+    from megatron_rlhf.trainers.rl.agent import cat_rows
 
     # 1 validation prompt on 2 data-parallel ranks: rank 0 got no rows.
     assert cat_rows([None, torch.tensor([0.5])]).tolist() == [0.5]
@@ -316,3 +318,23 @@ def test_mini_batch_denominator_counts_non_empty_responses():
     assert _denominator([0, 1, 2, 3], "token-mean") == 5.0
     assert _denominator([0, 1, 2], "seq-mean-token-sum-norm") == 16.0  # 2 responses x horizon 8
     assert _denominator([0, 1, 2], "token-sum") == 1.0
+
+
+def test_the_experience_batch_holds_only_declared_fields():
+    """What the driver builds and the stages add is the documented ``Experience`` type; a
+    stage writing an undeclared field is stopped at the update, naming it."""
+    from megatron_rlhf.rollout.base import Generation
+    from megatron_rlhf.trainers.rl.experience import (EXPERIENCE_FIELDS, build_batch,
+                                                      check_experience)
+
+    gens = [Generation(0, [5, 6], [-0.1, -0.2], True), Generation(1, [7], [-0.3], False)]
+    batch = build_batch([(1, 2), (3,)], gens, pad_id=0)
+    assert set(batch) == {"input_ids", "targets", "loss_mask", "lengths", "group"}
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]  # the target grid
+    batch.update(values=None, scores_from_rm=False, advantages=torch.zeros(2, 4),
+                 returns=torch.zeros(2, 4))
+    check_experience(batch, "here")
+    assert {"old_logprobs", "ref_logprobs", "is_weights", "train_rows", "response_mask",
+            "preferences", "population_group", "population_rows"} <= EXPERIENCE_FIELDS
+    with pytest.raises(TypeError, match=r"step 3, agent a: .*undeclared field\(s\) \['scores'\]"):
+        check_experience({**batch, "scores": torch.zeros(2)}, "step 3, agent a")

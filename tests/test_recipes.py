@@ -167,7 +167,7 @@ class _FakeRun:
     def __init__(self, train_batch_size=4, max_rounds=4, prompts=40):
         from megatron_rlhf.config.ppo_schema import PPOConfig
         from megatron_rlhf.data.prompts import Prompt
-        from megatron_rlhf.trainer.ppo_driver import PPORun
+        from megatron_rlhf.trainers.rl.agent import PPORun
 
         self.cfg = PPOConfig()
         self.cfg.data.train_batch_size = train_batch_size
@@ -204,13 +204,13 @@ class _FakeRun:
 
 
 def _timer():
-    from megatron_rlhf.trainer.ppo_driver import Timer
+    from megatron_rlhf.trainers.rl.agent import Timer
 
     return Timer()
 
 
 def test_dynamic_sampling_rounds_until_the_batch_has_signal():
-    from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
+    from megatron_rlhf.trainers.rl.dynamic_sampling import rollout_with_signal
 
     run = _FakeRun(train_batch_size=4)
     prompts, gens, batch, scored, metrics = rollout_with_signal(run, 0, _timer())
@@ -233,7 +233,7 @@ def test_dynamic_sampling_rounds_until_the_batch_has_signal():
 
 
 def test_dynamic_sampling_trains_on_what_it_has_when_rounds_run_out():
-    from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
+    from megatron_rlhf.trainers.rl.dynamic_sampling import rollout_with_signal
 
     run = _FakeRun(train_batch_size=6, max_rounds=1)
     prompts, gens, batch, scored, metrics = rollout_with_signal(run, 0, _timer())

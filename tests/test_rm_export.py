@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
-from megatron_rlhf.trainer.value_init import reward_model_hf_config
+from megatron_rlhf.trainers.rl.value_init import reward_model_hf_config
 
 TEXTS = ["what is 3 plus 4? the answer is 7.", "hello there", "what is 10 plus 2? 12"] * 20
 

@@ -10,7 +10,7 @@ from megatron_rlhf.algorithms.estimators import estimator
 from megatron_rlhf.config.ppo_schema import AgentConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 
-MODES = ("population", "proposer-solver", "critique-revise")
+MODES = ("solo", "population", "proposer-solver", "critique-revise")
 TASKS = ("addition",)
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -18,9 +18,6 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 def check_agents(cfg: PPOConfig) -> None:
     """Everything about ``agents`` and ``multi_agent`` that needs no model; errors name the key."""
     agents, m = cfg.agents, cfg.multi_agent
-    if len(agents) < 2:
-        raise UserError(f"config: agents lists {len(agents)} agent(s); a multi-agent run needs two "
-                        "or more (for one policy use actor.model_path alone)")
     seen = set()
     for i, agent in enumerate(agents):
         if not _NAME.match(agent.name):
@@ -46,13 +43,22 @@ def check_agents(cfg: PPOConfig) -> None:
 
 def _check_mode(cfg: PPOConfig) -> None:
     m, alg, r = cfg.multi_agent, cfg.algorithm, cfg.reward
+    if len(cfg.agents) > 1 and cfg.resource_pool.critic == "separate":
+        raise UserError("config: resource_pool.critic=separate places one critic group apart, for "
+                        "one agent; with several agents each agent's critic sits in its own group")
+    if m.mode == "solo":
+        return  # each agent rolls out on its own, as one PPO run: everything PPO does
+    if len(cfg.agents) < 2:
+        raise UserError(f"config: multi_agent.mode={m.mode} plays two or more agents; agents lists "
+                        f"{len(cfg.agents)} (one agent trains alone: multi_agent.mode=solo)")
+    # These change who generates what, which the mode decides itself.
     unsupported = [(alg.filter_groups.enable, "algorithm.filter_groups.enable"),
                    (cfg.data.offline_fraction > 0, "data.offline_fraction"),
-                   (cfg.rollout.max_turns > 1, "rollout.max_turns"),
-                   (estimator(alg.adv_estimator).needs_critic, "algorithm.adv_estimator=gae (a critic per agent)")]
+                   (cfg.rollout.max_turns > 1, "rollout.max_turns")]
     for bad, key in unsupported:
         if bad:
-            raise UserError(f"config: {key} is not supported with agents (multi_agent.mode={m.mode})")
+            raise UserError(f"config: {key} is not supported with multi_agent.mode={m.mode} (the "
+                            "mode decides who generates what; multi_agent.mode=solo supports it)")
     if m.mode == "population":
         if alg.adv_estimator != "sppo":
             raise UserError("config: multi_agent.mode=population trains every agent with SPPO against "
@@ -114,7 +120,8 @@ def agent_config(cfg: PPOConfig, agent: AgentConfig, index: int) -> PPOConfig:
         out.rollout.temperature = agent.temperature
     # Agents started from the same weights would otherwise draw identical samples.
     out.rollout.seed = cfg.rollout.seed + 7919 * index
-    out.trainer.output_dir = str(agent_dir(cfg, agent.name))
+    if len(cfg.agents) > 1:  # one agent's run is plain PPO's, in the run's own folder
+        out.trainer.output_dir = str(agent_dir(cfg, agent.name))
     out.trainer.n_gpus_per_node, out.trainer.nnodes = agent.world_size, 1
     return out
 
@@ -129,8 +136,12 @@ def reward_model(cfg: PPOConfig, agent: AgentConfig) -> str | None:
 
 
 def judges(cfg: PPOConfig) -> dict[str, list[str]]:
-    """Reward model path -> the agents it scores, in the config's order (one judge group each)."""
+    """Reward model path -> the agents it scores, in the config's order (one judge group each).
+    None for one agent, or when agents train critics (GAE): each then hosts its own reward
+    model beside its critic, as one PPO run does."""
     out: dict[str, list[str]] = {}
+    if len(cfg.agents) <= 1 or estimator(cfg.algorithm.adv_estimator).needs_critic:
+        return out
     for agent in cfg.agents:
         path = reward_model(cfg, agent)
         if path:
@@ -153,10 +164,10 @@ def agent_dir(cfg: PPOConfig, name: str) -> Path:
     return Path(cfg.trainer.output_dir) / "agents" / name
 
 
-def pools(cfg: PPOConfig) -> dict[str, list[AgentConfig]]:
+def pools(agents: list[AgentConfig]) -> dict[str, list[AgentConfig]]:
     """Resource pool name -> its agents (``separate``: a pool per agent)."""
     out: dict[str, list[AgentConfig]] = {}
-    for agent in cfg.agents:
+    for agent in agents:
         name = f"agent-{agent.name}" if agent.resource_pool == "separate" else agent.resource_pool
         out.setdefault(name, []).append(agent)
     return out

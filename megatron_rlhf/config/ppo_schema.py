@@ -332,10 +332,12 @@ class AgentConfig:
 
 @dataclass
 class MultiAgentConfig:
-    """How the agents of ``agents:`` play (``megatron_rlhf.multi_agent.modes``)."""
+    """How the agents of ``agents:`` play (``megatron_rlhf.trainers.rl.modes``)."""
 
-    mode: str = "population"
-    """``population``: every agent answers every prompt, each regresses onto its win rate
+    mode: str = "solo"
+    """``solo``: each agent rolls out and is scored on its own, as one PPO run (one agent: exactly
+    the plain run; several: trained side by side on shared pools and judges); ``population``:
+    every agent answers every prompt, each regresses onto its win rate
     against the whole population (SPPO); ``proposer-solver``: one agent writes tasks, the other
     solves them; ``critique-revise``: one answers, the other critiques, the first revises."""
     judge_world_size: int = 1

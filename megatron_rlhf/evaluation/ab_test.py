@@ -240,7 +240,7 @@ def _engine(source: ModelSource, groups: ParallelGroups, tokenizer):
     from megatron_rlhf.data.chat import pad_id
     from megatron_rlhf.rollout.engines import make_generator
     from megatron_rlhf.rollout.weight_sync import WeightSync
-    from megatron_rlhf.trainer.ppo_worker import load_policy
+    from megatron_rlhf.trainers.rl.worker import load_policy
 
     model, arch, hf_dir, padded = load_policy(str(source.path), groups, source.dtype)
     engine = make_generator(RolloutConfig(backend="hf", tp=1), str(hf_dir), source.dtype,
@@ -310,9 +310,9 @@ def reward_model_scores(inputs: ABInputs, sequences: list[list[int]], groups: Pa
     import torch.distributed as dist
 
     from megatron_rlhf.rewards.rm_scorer import score_sequences
-    from megatron_rlhf.trainer.ppo_driver import stitch
-    from megatron_rlhf.trainer.ppo_worker import dp_slice
-    from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source
+    from megatron_rlhf.trainers.rl.agent import stitch
+    from megatron_rlhf.trainers.rl.worker import dp_slice
+    from megatron_rlhf.trainers.rl.value_init import build_value_model, resolve_value_source
 
     source = inputs.reward_model
     model = build_value_model(resolve_value_source(str(source.path), groups.layout), groups,

@@ -1,5 +1,5 @@
 """Bytes of a trained model's state on one rank: weights, gradients and optimizer state, as
-megatron-core allocates them for the options :func:`megatron_rlhf.trainer.engine.make_trainable`
+megatron-core allocates them for the options :func:`megatron_rlhf.trainers.engine.make_trainable`
 uses (``grad_reduce_in_fp32=True``, Adam, no overlapped gradient reduction).
 
 Megatron's DDP puts a rank's gradients in one contiguous buffer per kind of parameter (dense

@@ -29,8 +29,8 @@ from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device
 from megatron_rlhf.errors import RunStopped, UserError
 from megatron_rlhf.monitoring import MetricsLogger
-from megatron_rlhf.trainer.engine import Trainable, reduce_metrics, train_step
-from megatron_rlhf.trainer.lifecycle import MetricsFile, StopRequest, finished, mark_finished
+from megatron_rlhf.trainers.engine import Trainable, reduce_metrics, train_step
+from megatron_rlhf.trainers.lifecycle import MetricsFile, StopRequest, finished, mark_finished
 
 
 @dataclass

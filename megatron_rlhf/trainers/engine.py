@@ -20,7 +20,7 @@ from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, platform_is_cpu
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import model_forward, run_schedule
-from megatron_rlhf.trainer.moe_metrics import MoEMonitor
+from megatron_rlhf.trainers.moe_metrics import MoEMonitor
 
 
 def training_dtype(name: str) -> torch.dtype:

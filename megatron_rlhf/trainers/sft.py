@@ -30,9 +30,9 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward, token_cross_entropy
 from megatron_rlhf.models.hf_config import padded_vocab_size
-from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
+from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
                                           training_dtype)
-from megatron_rlhf.trainer.loop import Run, epoch_order, run_job
+from megatron_rlhf.trainers.loop import Run, epoch_order, run_job
 
 METRIC_KEYS = ["loss", "target_tokens", "count", "tokens"]
 

@@ -25,10 +25,10 @@ from megatron_rlhf.distributed.launch import discover_rank, init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, build_parallel_groups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
-from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
+from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
                                           training_dtype)
-from megatron_rlhf.trainer.loop import Run, epoch_order, run_job
-from megatron_rlhf.trainer.value_init import (build_value_model, resolve_value_source,
+from megatron_rlhf.trainers.loop import Run, epoch_order, run_job
+from megatron_rlhf.trainers.rl.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
 
 METRIC_KEYS = ["loss", "correct", "margin", "chosen", "chosen_sq", "rejected", "rejected_sq",

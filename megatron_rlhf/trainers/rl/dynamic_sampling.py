@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_rlhf.algorithms.dapo import groups_with_signal
-from megatron_rlhf.trainer.ppo_experience import build_batch
+from megatron_rlhf.trainers.rl.experience import build_batch
 
 _PER_SAMPLE = ("score", "rm", "oracle", "overlong_penalty")
 

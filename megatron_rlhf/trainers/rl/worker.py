@@ -33,10 +33,11 @@ from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
-from megatron_rlhf.trainer.engine import (make_trainable, packing_supported, reduce_metrics,
+from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
                                           set_lr_scale, train_step, training_dtype)
-from megatron_rlhf.trainer.ppo_losses import actor_loss, critic_loss, grid_logprobs
-from megatron_rlhf.trainer.value_init import build_value_model, resolve_value_source, reward_model_source
+from megatron_rlhf.trainers.rl.experience import Experience
+from megatron_rlhf.trainers.rl.losses import actor_loss, critic_loss, grid_logprobs
+from megatron_rlhf.trainers.rl.value_init import build_value_model, resolve_value_source, reward_model_source
 
 ACTOR_KEYS = ["pg_loss", "loss_denominator", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
 CRITIC_KEYS = ["vf_loss", "loss_denominator", "vf_clipfrac", "tokens", "count"]
@@ -227,7 +228,7 @@ class PPOWorker:
         return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() == 2 else o
                           for o in outputs])
 
-    def compute_log_probs(self, batch: dict, old: bool = True, ref: bool = True) -> tuple | None:
+    def compute_log_probs(self, batch: Experience, old: bool = True, ref: bool = True) -> tuple | None:
         """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
         for the ones not asked for)."""
         temperature = scoring_temperature(self.config.rollout.temperature)
@@ -237,7 +238,7 @@ class PPOWorker:
         ref = self._forward(self.ref, batch, head) if ref else None
         return self._output((old, ref))
 
-    def compute_values(self, batch: dict) -> tuple | None:
+    def compute_values(self, batch: Experience) -> tuple | None:
         """Critic values ``[n_mine, T]`` and reward-model scores ``[n_mine]`` (or None)."""
         values = scores = None
         if self.critic is not None:
@@ -272,7 +273,7 @@ class PPOWorker:
                             | {"grad_norm": result.grad_norm, "lr": result.lr, **result.moe})
         return sums
 
-    def update_actor(self, batch: dict, step: int, kl_loss_coef: float) -> dict:
+    def update_actor(self, batch: Experience, step: int, kl_loss_coef: float) -> dict:
         """One step's actor update. A multi-agent population batch carries the step's whole
         preference table instead of advantages: each agent's ranks derive their samples' SPPO
         targets from it, and report its digest so the driver can prove every rank of every
@@ -303,7 +304,7 @@ class PPOWorker:
             h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
-    def update_critic(self, batch: dict, step: int) -> dict:
+    def update_critic(self, batch: Experience, step: int) -> dict:
         cfg = self.config
         epochs = critic_epochs(cfg)
         loss = lambda out, b: critic_loss(out, b, cliprange_value=cfg.critic.cliprange_value,  # noqa: E731
@@ -349,7 +350,7 @@ class PPOWorker:
             else:
                 from transformers import AutoTokenizer
 
-                from megatron_rlhf.trainer.value_init import reward_model_hf_config
+                from megatron_rlhf.trainers.rl.value_init import reward_model_hf_config
 
                 source = self.critic_meta
                 meta = {"kind": "value", "family": source.arch.family,
@@ -398,7 +399,7 @@ class PPOWorker:
         self.set_lr_scale(lr_scale)
 
 
-def population_advantages(batch: dict) -> str:
+def population_advantages(batch: Experience) -> str:
     """Replace a population batch's ``preferences [M, M]``, ``population_group [M]`` and
     ``population_rows [N]`` (this agent's samples among the ``M``) by SPPO targets
     ``P(y > population) - 1/2`` on its response tokens (``advantages``, ``returns``); returns
@@ -437,6 +438,6 @@ def _catch_stop_signals(trainer):
 
     if threading.current_thread() is not threading.main_thread():
         return None  # signals reach the main thread only
-    from megatron_rlhf.trainer.lifecycle import StopRequest
+    from megatron_rlhf.trainers.lifecycle import StopRequest
 
     return StopRequest(trainer, None).install()

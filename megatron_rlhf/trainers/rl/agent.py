@@ -1,7 +1,8 @@
-"""The PPO driver's state and the phases the loop in :mod:`main_ppo` calls, one method each.
+"""One agent of an RL run: its data, sampling, scoring, KL controller and checkpoints, and the
+phases the loop in :mod:`~megatron_rlhf.trainers.rl.fit` calls on it, one method each.
 
-The driver holds data, the KL controller, the step counter and the logs; models live in Ray
-worker groups (:class:`PPOWorker`). Everything the driver computes is pure tensor math on the
+Models live in Ray worker groups (:class:`PPOWorker`); the run's logs, joint checkpoints and
+stops are :class:`~megatron_rlhf.trainers.rl.run.RLRun`'s. Everything the driver computes is pure tensor math on the
 whole step's batch, so advantage whitening and group baselines see every sample.
 """
 
@@ -29,15 +30,12 @@ from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_critic
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.monitoring import MetricsLogger
 from megatron_rlhf.rewards.registry import RewardFunction
 from megatron_rlhf.rewards.scorer import RewardScorer
 from megatron_rlhf.rollout.base import Generation, SamplingParams
-from megatron_rlhf.trainer.lifecycle import StopRequest
-from megatron_rlhf.trainer.loop import epoch_order
-from megatron_rlhf.trainer.ppo_experience import build_batch, sample_kl, token_kl
-from megatron_rlhf.trainer.rl_run import RLRunState
-from megatron_rlhf.trainer.ppo_worker import PPOWorker
+from megatron_rlhf.trainers.loop import epoch_order
+from megatron_rlhf.trainers.rl.experience import Experience, build_batch, sample_kl, token_kl
+from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
 class Timer(dict):
@@ -70,10 +68,10 @@ def cat_rows(parts: list) -> torch.Tensor | None:
 
 
 @dataclass
-class PPORun(RLRunState):
+class PPORun:
     cfg: PPOConfig
     actor: object  # WorkerGroup with the actor role
-    critic: object  # WorkerGroup with the critic role (the same group when shared)
+    critic: object  # WorkerGroup with the critic role: its own, the actor's, or a judge's
     tokenizer: object
     train: list[Prompt]
     val: list[Prompt]
@@ -87,17 +85,15 @@ class PPORun(RLRunState):
     lr_scale: float = 1.0
     kl_loss_scale: float = 1.0  # rollbacks raise the KL-loss weight as they raise kl_ctrl's
     rollbacks: int = 0
-    logger: MetricsLogger | None = None
-    history: list[dict] = field(default_factory=list)
-    ray_started: bool = False
     offline: list = field(default_factory=list)  # data.offline_files' OfflineGroups
     rewards: RewardScorer | None = None
     """Runs ``reward_fn`` / ``oracle_fn`` (a process pool with a per-call timeout, or in this
     process); made from them, in-process, when not given."""
     label: str = "ppo"
     """Log-line prefix (a multi-agent run's agents: ``agent <name>``)."""
-    stop: StopRequest | None = None  # stop signals and trainer.stop_at (the driver's)
-    last_saved: int = -1  # the step of the newest save handed to the workers
+    judged: bool = False
+    """``critic`` is a judge group scoring other agents too (not this agent's to save)."""
+    last_saved: int = -1  # the step of the newest checkpoint loaded
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -138,9 +134,9 @@ class PPORun(RLRunState):
     def rollout(self, step: int, timer) -> tuple[list[Prompt], list[Generation], dict, dict, dict]:
         """Generate and score the step's samples: (prompts, generations, batch, scores,
         metrics). With ``algorithm.filter_groups`` in rounds (DAPO's dynamic sampling, see
-        :mod:`megatron_rlhf.trainer.dynamic_sampling`)."""
+        :mod:`megatron_rlhf.trainers.rl.dynamic_sampling`)."""
         if self.cfg.algorithm.filter_groups.enable:
-            from megatron_rlhf.trainer.dynamic_sampling import rollout_with_signal
+            from megatron_rlhf.trainers.rl.dynamic_sampling import rollout_with_signal
 
             return rollout_with_signal(self, step, timer)
         prompts, offline = self.step_prompts(step), self.offline_groups(step)
@@ -249,7 +245,7 @@ class PPORun(RLRunState):
         return out
 
     # ------------------------------------------------------------------ scoring and experience
-    def scores(self, prompts: list[Prompt], gens: list[Generation], batch: dict) -> dict:
+    def scores(self, prompts: list[Prompt], gens: list[Generation], batch: Experience) -> dict:
         """Sequence scores [N] (the training signal) and the oracle's, when one exists."""
         # Multi-turn samples are judged by their last turn (the oracle) and trained on every
         # turn's reward; single-turn ones by the whole response.
@@ -288,6 +284,13 @@ class PPORun(RLRunState):
             score += out["overlong_penalty"]
         return out
 
+    def fill_values(self, batch: Experience) -> None:
+        """The critic's values [N, T] of a batch built after scoring (a play mode's training
+        batch differs from the one it scored), when this agent's estimator needs them."""
+        if uses_critic(self.cfg) and batch.get("values") is None:
+            parts = stitch(self.critic.call(PPOWorker.compute_values, batch))
+            batch["values"] = cat_rows(list(zip(*parts))[0])
+
     def oracle_scores(self, prompts: list[Prompt], gens: list[Generation]) -> torch.Tensor:
         """The oracle's scores [N] alone (no reward model, no shaping): accuracy, not signal."""
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
@@ -304,7 +307,7 @@ class PPORun(RLRunState):
             self.log(line)
         return metrics
 
-    def log_probs(self, batch: dict, gens: list[Generation]) -> dict[str, float]:
+    def log_probs(self, batch: Experience, gens: list[Generation]) -> dict[str, float]:
         """Old (actor) and reference log-probs into ``batch``; returns how far the engine's own
         log-probs are from the actor's (a wrong weight sync shows up here first). Passes nothing
         uses are skipped: see :func:`uses_reference` and :func:`reuses_update_log_probs`."""
@@ -324,7 +327,7 @@ class PPORun(RLRunState):
         gap = (engine - old).abs() * batch["loss_mask"]
         return {"rollout/logprob_diff_max": float(gap.max())} | self.correct(batch, old, engine)
 
-    def correct(self, batch: dict, old: torch.Tensor, engine: torch.Tensor) -> dict[str, float]:
+    def correct(self, batch: Experience, old: torch.Tensor, engine: torch.Tensor) -> dict[str, float]:
         """Rollout correction (``algorithm.rollout_correction``): TIS weights into the batch,
         samples whose ratio leaves the band out of ``train_rows``; returns the mismatch."""
         c, mask = self.cfg.algorithm.rollout_correction, batch["loss_mask"]
@@ -342,7 +345,7 @@ class PPORun(RLRunState):
             out["rollout/masked_fraction"] = float(1.0 - keep.float().mean())
         return out
 
-    def leave_out_untrained(self, gens: list[Generation], batch: dict) -> None:
+    def leave_out_untrained(self, gens: list[Generation], batch: Experience) -> None:
         """Zero the loss mask of samples the update must not train on: dynamic sampling's
         filler groups, samples the rollout correction masks and (``actor.overlong_filter``)
         truncated ones. They stay in the batch (its size is what the layout divides), and
@@ -354,7 +357,7 @@ class PPORun(RLRunState):
             batch["response_mask"] = batch["loss_mask"]
             batch["loss_mask"] = batch["loss_mask"] * rows[:, None]
 
-    def advance_kl(self, adv: dict, batch: dict) -> dict[str, float]:
+    def advance_kl(self, adv: dict, batch: Experience) -> dict[str, float]:
         """After an accepted update: the KL coefficients the step used (the adaptive controller
         then moves the in-reward one, as verl: it steers nothing else) and the rollout's KL to
         the reference."""
@@ -405,17 +408,10 @@ class PPORun(RLRunState):
                 "kl_loss_scale": self.kl_loss_scale, "rollbacks": self.rollbacks}
 
     def groups(self) -> list:
-        """The worker groups, each once (the critic's is the actor's when shared)."""
-        return list({id(self.actor): self.actor, id(self.critic): self.critic}.values())
-
-    def saving_groups(self) -> list[tuple]:
-        return [(group, self.ckpt_root, self.state()) for group in self.groups()]
-
-    def stop_groups(self) -> list:
-        return self.groups()
-
-    def prune_saved(self) -> None:
-        self.prune()
+        """This agent's worker groups, each once (the critic's is the actor's when shared; a
+        judge is the run's, not the agent's)."""
+        own = [self.actor] if self.judged else [self.actor, self.critic]
+        return list({id(g): g for g in own}.values())
 
     def checkpoint_folders(self, step: int) -> list[Path]:
         return [self.ckpt_root / role / f"step_{step:08d}" for role in self.roles]
@@ -479,18 +475,6 @@ class PPORun(RLRunState):
             return f"actor/kl {metrics['actor/kl']:.4g} exceeds trainer.rollback.kl_threshold={limit}"
         return None
 
-    def rollback(self, reason: str) -> None:
-        failed = self.step + 1
-        if self.cfg.trainer.async_save:
-            self.collect_saves(blocking=True)  # a save in flight is of a good step
-        target = rollback_target(failed, reason, self.checkpoints(), self.rollbacks,
-                                 self.cfg.trainer.rollback, self.ckpt_root)
-        self.lower_rates()
-        self.trim_metrics(target, self.restore(target, keep_scales=True).get("metrics_rows"))
-        self.log(f"rollback {self.rollbacks}/{self.cfg.trainer.rollback.max_rollbacks} at step "
-                 f"{failed}: {reason}; restored step {target}, lr scale now {self.lr_scale:g}, "
-                 f"kl_coef now {self.kl_ctrl.value:g}, kl_loss_coef now {self.kl_loss_coef:g}")
-
     def lower_rates(self) -> None:
         """One more rollback: the learning rate down, the KL weights up (``trainer.rollback``)."""
         rb = self.cfg.trainer.rollback
@@ -514,9 +498,9 @@ def rollback_target(failed: int, reason: str, saved: list[int], rollbacks: int, 
 
 
 def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> None:
-    """After an accepted update of ``run`` (a PPORun or a MultiAgentRun, its step already
-    advanced): count throughput, log progress, validate, record, save, as ``trainer.*`` says;
-    stop cleanly (:meth:`RLRunState.stop_now`) if a signal or the deadline asks."""
+    """After an accepted update of ``run`` (an :class:`~megatron_rlhf.trainers.rl.run.RLRun`,
+    its step already advanced): count throughput, log progress, validate, record, save, as ``trainer.*`` says;
+    stop cleanly (:meth:`RLRun.stop_now`) if a signal or the deadline asks."""
     t = run.cfg.trainer
     metrics["step"] = run.step
     run.logger.count(samples, tokens)
@@ -547,7 +531,7 @@ def _last_turn(g: Generation) -> list[int]:
     return g.tokens[start:]
 
 
-def summarize_rollout(gens: list[Generation], scored: dict, batch: dict, adv: dict) -> dict:
+def summarize_rollout(gens: list[Generation], scored: dict, batch: Experience, adv: dict) -> dict:
     mask = batch.get("response_mask", batch["loss_mask"])  # every response, trained or not
     lengths = mask.sum(dim=1)
     out = {"reward/score_mean": float(scored["score"].mean()),

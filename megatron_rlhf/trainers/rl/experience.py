@@ -7,6 +7,8 @@ advantages of the response tokens sit where ``loss_mask`` is 1.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
@@ -16,7 +18,53 @@ from megatron_rlhf.config.ppo_schema import AlgorithmConfig
 from megatron_rlhf.rollout.base import Generation
 
 
-def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], pad_id: int) -> dict:
+class Experience(TypedDict, total=False):
+    """One agent's step of experience, as the driver builds it and the workers train on it.
+
+    ``N`` samples (rows: responses, prompt-major), ``T`` positions on the target grid; every
+    per-token tensor is zero where ``loss_mask`` is. Written by, in order:
+
+    - :func:`build_batch`: ``input_ids``, ``targets``, ``loss_mask``, ``lengths``, ``group``;
+    - ``PPORun.scores``: ``values`` (critic), ``scores_from_rm``;
+    - ``PPORun.log_probs`` / ``correct``: ``old_logprobs``, ``ref_logprobs``, ``is_weights``,
+      ``train_rows``;
+    - ``RLRun.update``: ``advantages``, ``returns``; ``PPORun.leave_out_untrained``:
+      ``response_mask`` (and a narrowed ``loss_mask``);
+    - a population's play mode: ``preferences``, ``population_group``, ``population_rows``.
+    """
+
+    input_ids: torch.Tensor  # [N, T] long: prompt + response tokens, right-padded with pad_id
+    targets: torch.Tensor  # [N, T] long: input_ids shifted left by one (the token predicted)
+    loss_mask: torch.Tensor  # [N, T] float 0/1: the response tokens trained on
+    lengths: torch.Tensor  # [N, 1] long: prompt + response tokens of each sample
+    group: torch.Tensor  # [N] long: the prompt each sample answers (the group baselines' key)
+    values: torch.Tensor | None  # [N, T] float: the critic's value per token (GAE), else None
+    scores_from_rm: bool  # the scores came from a reward model (SPPO's Bradley-Terry)
+    old_logprobs: torch.Tensor | None  # [N, T] float nats: the behaviour policy's (the actor's)
+    ref_logprobs: torch.Tensor | None  # [N, T] float nats: the frozen reference's
+    is_weights: torch.Tensor  # [N, T] float: truncated importance weights (rollout correction)
+    train_rows: torch.Tensor  # [N] bool: samples the update may train on
+    response_mask: torch.Tensor  # [N, T] float: every response, trained or not (statistics)
+    advantages: torch.Tensor  # [N, T] float: per-token advantages
+    returns: torch.Tensor  # [N, T] float: the critic's regression targets
+    preferences: torch.Tensor  # [M, M] float: P(row beats column), over the population's M samples
+    population_group: torch.Tensor  # [M] long: the prompt of each population sample
+    population_rows: torch.Tensor  # [N] long: this agent's samples among the M
+
+
+EXPERIENCE_FIELDS = frozenset(Experience.__annotations__)
+
+
+def check_experience(batch: dict, where: str) -> None:
+    """Every key of ``batch`` is a declared :class:`Experience` field (a stage that writes a new
+    one declares it there first)."""
+    unknown = sorted(set(batch) - EXPERIENCE_FIELDS)
+    if unknown:
+        raise TypeError(f"{where}: the experience batch holds undeclared field(s) {unknown}; "
+                        "declare them in megatron_rlhf.trainers.rl.experience.Experience")
+
+
+def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], pad_id: int) -> Experience:
     """``input_ids``, ``targets``, ``loss_mask`` ``[N, T]``; ``lengths [N, 1]``; ``group [N]``.
     ``loss_mask`` is 0 on the environment's tokens of multi-turn samples."""
     sequences = [list(prompts[g.prompt_index]) + list(g.tokens) for g in generations]
@@ -35,7 +83,7 @@ def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], p
             "group": torch.tensor([g.prompt_index for g in generations])}
 
 
-def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, kl_coef: float,
+def compute_advantages(batch: Experience, scores: torch.Tensor, cfg: AlgorithmConfig, kl_coef: float,
                        turns: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rewards, advantages and returns ``[N, T]`` from sequence ``scores [N]`` and the batch's
     ``old_logprobs``, ``ref_logprobs`` (and ``values`` for GAE); the KL is 0 without both.
@@ -51,7 +99,7 @@ def compute_advantages(batch: dict, scores: torch.Tensor, cfg: AlgorithmConfig, 
     return {"rewards": rewards, "advantages": advantages, "returns": returns, "kl": kl}
 
 
-def sppo_preference(cfg: AlgorithmConfig, batch: dict) -> str:
+def sppo_preference(cfg: AlgorithmConfig, batch: Experience) -> str:
     """``algorithm.sppo_preference``, with ``auto`` resolved: Bradley-Terry for a reward
     model's scores (the driver marks them in ``batch["scores_from_rm"]``), else rule."""
     if cfg.sppo_preference != "auto":

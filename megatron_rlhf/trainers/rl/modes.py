@@ -1,5 +1,9 @@
 """Play modes: who speaks when, what each agent sees, and what each is scored on.
 
+``solo`` (one agent, or several trained side by side) lets each agent roll out on its own, with
+everything plain PPO does: dynamic sampling, offline samples, multi-turn. The others decide the
+conversation themselves.
+
 A mode's :meth:`play` returns one :class:`Episode` per agent that trains this step: its samples
 as a PPO batch, each sample's score, and (population) the step's preference table. The
 driver turns episodes into updates the same way for every mode.
@@ -19,7 +23,7 @@ from megatron_rlhf.data.chat import as_messages, render_prompt
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.data.tasks import AdditionTask, parse_question
 from megatron_rlhf.rollout.base import Generation
-from megatron_rlhf.trainer.ppo_experience import build_batch, sppo_preference
+from megatron_rlhf.trainers.rl.experience import Experience, build_batch, sppo_preference
 
 
 @dataclass
@@ -30,7 +34,7 @@ class Episode:
 
     prompts: list[Prompt]
     gens: list[Generation]
-    batch: dict
+    batch: Experience
     scored: dict
     advantages: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -45,6 +49,32 @@ class PlayMode(Protocol):
 
     def validated(self, run) -> list[str]:
         """Agents whose policy answers ``data.val_files`` (the task's held-out questions)."""
+
+
+class Solo:
+    """Each agent generates and is scored on its own prompts, as one PPO run would
+    (:meth:`~megatron_rlhf.trainers.rl.agent.PPORun.rollout`)."""
+
+    def play(self, run, step: int, timer):
+        episodes = {}
+        for name, agent in run.agents.items():
+            clock = timer if run.single else _Named(timer, name)
+            prompts, gens, batch, scored, sampled = agent.rollout(step, clock)
+            episodes[name] = Episode(prompts, gens, batch, scored, metrics=sampled)
+        return episodes, {}
+
+    def validated(self, run) -> list[str]:
+        return list(run.agents)
+
+
+class _Named:
+    """``timer`` whose phases carry an agent's name (``timing/gen/<name>``)."""
+
+    def __init__(self, timer, name: str):
+        self.timer, self.name = timer, name
+
+    def __call__(self, what: str):
+        return self.timer(f"{what}/{self.name}")
 
 
 def _episode(agent, prompts: list[Prompt], gens: list[Generation]) -> Episode:
@@ -233,6 +263,8 @@ def _in_order(gens: list[Generation]) -> list[Generation]:
 
 def make_mode(cfg, names: list[str]) -> PlayMode:
     mode = cfg.multi_agent.mode
+    if mode == "solo":
+        return Solo()
     if mode == "population":
         return Population()
     if mode == "proposer-solver":

@@ -1,1 +1,0 @@
-"""Several actors trained in one run (``agents:`` in a PPO config): see :mod:`.driver`."""
