@@ -1,6 +1,13 @@
 """Ray worker groups: one torch.distributed world per group, results in rank order, and a dead
 or failing rank stops the driver at once with its name instead of a hang."""
 
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from megatron_rlhf.config.ppo_schema import RayConfig
@@ -46,3 +53,54 @@ def test_worker_exception_names_rank_and_cause(ray_cluster):
     group.build(Echo, "c")
     with pytest.raises(WorkerFailed, match=r"rank 0 failed in fail: ValueError: bad row 7 in shard 3"):
         group.call(Echo.fail, 0)
+
+
+
+PROBE = """
+import ray
+from megatron_rlhf.config.ppo_schema import RayConfig
+from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
+started = start_ray(RayConfig(num_cpus=2, object_store_mb=96), ranks=1, use_gpu=False)
+print("probe", started, ray.cluster_resources()["CPU"])
+stop_ray(started)
+"""
+
+
+def _probe(env: dict) -> str:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return next(line for line in out.stdout.splitlines() if line.startswith("probe"))
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_run_starts_its_own_cluster_unless_told_to_join_one(tmp_path):
+    # `ray start` records its cluster as the host's newest, which Ray's default ray.init() joins:
+    # a run on a shared node would land in another job's cluster (and refuse num_cpus).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head",
+                             f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                             "--include-dashboard=false", "--block"],
+                            env={**env, "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            assert head.poll() is None and time.monotonic() < deadline, "ray start --head failed"
+            time.sleep(1)
+        assert _probe(env) == "probe True 2.0"
+        assert _probe({**env, "RAY_ADDRESS": f"127.0.0.1:{port}",
+                       "RAY_AUTH_MODE": "disabled"}) == "probe False 1.0"
+    finally:
+        head.terminate()  # `ray start --block` stops its own processes on SIGTERM
+        head.wait(timeout=60)

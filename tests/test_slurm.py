@@ -92,6 +92,24 @@ def slurm_env():
         _slurm_local("stop", env, timeout=120)
 
 
+BYSTANDER = """
+import ray
+ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+print("up", flush=True)
+input()
+print("alive", ray.get(ray.remote(lambda: 3).remote()), flush=True)
+ray.shutdown()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _tiny_reward_model(hf_dir: Path) -> None:
     from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
 
@@ -189,8 +207,25 @@ def test_ppo_ray_sbatch_runs_ppo_on_the_job_ray_cluster(slurm_env, tmp_path):
                  "data.train_batch_size=16 actor.ppo_mini_batch_size=8 "
                  "actor.ppo_micro_batch_size_per_rank=8 reward.fn=addition reward.model_path=null "
                  f"critic.model_path=null trainer.max_steps=2 trainer.output_dir={out}")
+    port = _free_port()
     env = {**slurm_env, "CONFIG": "configs/ppo/tiny_cpu.yaml", "OVERRIDES": overrides,
-           "GPUS_PER_NODE": "1"}
-    log = _sbatch(RAY_SCRIPT, ["--cpus-per-task=2"], env, tmp_path / "job.log")
+           "GPUS_PER_NODE": "1", "RAY_PORT": str(port)}
+    # A Ray cluster beside the job's, as another user's on a shared node: it must outlive the job.
+    bystander = subprocess.Popen([sys.executable, "-c", BYSTANDER], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert bystander.stdout.readline().strip() == "up"
+        log = _sbatch(RAY_SCRIPT, ["--cpus-per-task=2"], env, tmp_path / "job.log")
+        bystander.stdin.write("check\n")
+        bystander.stdin.flush()
+        assert bystander.stdout.readline().strip() == "alive 3"
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=60)
     assert "[ppo] done: 2 steps" in log
     assert (out / "checkpoints" / "actor" / "step_00000002").is_dir()
+    import psutil
+
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if any(f"gcs_server_port={port}" in arg for arg in p.info["cmdline"] or [])]
+    assert not left, f"the job's Ray head outlived the job: {left}"

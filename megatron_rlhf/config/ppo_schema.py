@@ -287,7 +287,8 @@ class PPOTrainerConfig(TrainerConfig):
 @dataclass
 class RayConfig:
     address: Optional[str] = None
-    """Join this cluster (``auto`` or ``host:port``); default: start a local one for this run."""
+    """Join this cluster (``auto`` or ``host:port``; else ``$RAY_ADDRESS``, as ``ray job submit``
+    sets it); default: start a local one for this run, never the newest one on the host."""
     num_cpus: Optional[int] = None
     """Logical CPUs of a local cluster (default: one per worker plus one)."""
     object_store_mb: int = 256

@@ -22,13 +22,16 @@ def start_ray(cfg: RayConfig, ranks: int, use_gpu: bool) -> bool:
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(
         p for p in (os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
                     os.environ.get("PYTHONPATH", "")) if p)}}
-    if cfg.address:
+    address = cfg.address or os.environ.get("RAY_ADDRESS") or None
+    if address:
         try:
-            ray.init(address=cfg.address, runtime_env=env, log_to_driver=True)
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
         except (ConnectionError, RuntimeError) as err:
-            raise UserError(f"ray.address={cfg.address}: cannot join the cluster ({err})") from None
+            raise UserError(f"ray.address={address}: cannot join the cluster ({err})") from None
         return False
-    ray.init(num_cpus=cfg.num_cpus or ranks + 1, num_gpus=None if use_gpu else 0,
+    # "local": Ray's default joins the newest cluster recorded under /tmp/ray (another job's on a
+    # shared node, or a test's beside this one), and then refuses num_cpus.
+    ray.init(address="local", num_cpus=cfg.num_cpus or ranks + 1, num_gpus=None if use_gpu else 0,
              object_store_memory=cfg.object_store_mb * 2 ** 20, include_dashboard=False,
              runtime_env=env, log_to_driver=True, configure_logging=False)
     return True
