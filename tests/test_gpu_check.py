@@ -1,0 +1,30 @@
+"""tools/gpu_check.py, the script a lent GPU runs, kept runnable here: its tiny size on CPU must
+pass every section with fp32 parity (a GPU run only shows whether the GPU path differs)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_runs_every_section_at_its_tiny_size(tmp_path):
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "0"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--size", "tiny",
+                           "--seq", "64", "--micro", "2", "--micro-batches", "2", "--steps", "2",
+                           "--new-tokens", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["import"]["fp32"]["max_abs_diff"] < 1e-5
+    assert result["import"]["bf16"]["max_abs_diff"] < 0.05  # bf16 weights and activations
+    losses = result["train"]["losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0]  # the same rows every step
+    assert 0 < result["train"]["mfu_vs_989"] < 1
+    for dtype, bar in (("fp32", 1e-5), ("bf16", 0.05)):
+        rollout = result["rollout"][dtype]
+        assert 8 <= rollout["tokens"] <= 64  # 8 prompts x up to 8 greedy tokens (EOS ends one)
+        assert rollout["max_abs_diff"] < bar and rollout["fixed_tokens"]["max_abs_diff"] < bar
