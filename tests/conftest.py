@@ -25,10 +25,13 @@ def family_models(tmp_path_factory):
 
 
 # The suite runs two test files at a time (pytest.ini: `-n 2 --dist loadfile`; most tests keep
-# one core busy: tiny models and process start-up). Files are handed out in collection order,
-# so the longest go first and the short ones fill in around them (docs/testing.md has the times).
-LONGEST_FIRST = ("test_ppo.py", "test_rm_accuracy.py", "test_multi_agent.py", "test_demo.py",
-                 "test_moe_training.py", "test_train_rm.py", "test_interrupted_runs.py", "test_sft.py")
+# one core busy: tiny models and process start-up). Files are handed out in collection order
+# (`--no-loadscope-reorder`: xdist would otherwise hand out the files with most tests first, and
+# the two single-test acceptance runs, 11 minutes together, ended the run on one worker while
+# the other idled), so the longest go first and the short ones fill in around them
+# (docs/testing.md has the times).
+LONGEST_FIRST = ("test_rm_accuracy.py", "test_demo.py", "test_ppo.py", "test_interrupted_runs.py",
+                 "test_multi_agent.py", "test_moe_training.py", "test_train_rm.py", "test_sft.py")
 
 
 def pytest_collection_modifyitems(config, items):

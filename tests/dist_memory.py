@@ -95,12 +95,12 @@ def state_case(path: Path, layout: tuple, dtype: str, distributed: bool) -> dict
                         "optimizer": planned.optimizer}}
 
 
-def saved_bytes(path: Path, options: ModelOptions, batch: int, seq: int) -> dict:
+def saved_bytes(path: Path, options: ModelOptions, batch: int, seq: int,
+                dtype: torch.dtype = torch.float32) -> dict:
     """Bytes autograd keeps for backward from the decoder's forward (weights excluded)."""
     arch = read_hf_arch(path)
     groups = layout_groups((1, 1, None, 1), arch.shape)
-    model = build_model(arch, groups, torch.float32, padded_vocab_size(arch.vocab_size),
-                        options=options)
+    model = build_model(arch, groups, dtype, padded_vocab_size(arch.vocab_size), options=options)
     model.train()
     weights = set(_storages(p.data for p in model.parameters()))
     kept = {}
@@ -137,6 +137,12 @@ def main() -> None:
                 planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 4), mode)
                 results[f"saved/{name}/{mode}/b{batch}s{seq}"] = {"measured": found["measured"],
                                                                   "planned": planned}
+    for name in ("qwen2_policy", "deepseek_v3"):  # bf16: the softmax's fp32 copy (GQA and MLA)
+        for batch, seq in ((2, 64), (1, 96)):
+            found = saved_bytes(where(name), RECOMPUTE["none"], batch, seq, torch.bfloat16)
+            planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 2), "none")
+            results[f"saved_bf16/{name}/b{batch}s{seq}"] = {"measured": found["measured"],
+                                                            "planned": planned}
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.barrier()

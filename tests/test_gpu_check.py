@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_runs_every_section_at_its_tiny_size(tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": "0"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--size", "tiny",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--model", "tiny",
                            "--seq", "64", "--micro", "2", "--micro-batches", "2", "--steps", "2",
                            "--new-tokens", "8", "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
@@ -24,6 +24,8 @@ def test_gpu_check_runs_every_section_at_its_tiny_size(tmp_path):
     losses = result["train"]["losses"]
     assert len(losses) == 4 and losses[-1] < losses[0]  # the same rows every step
     assert 0 < result["train"]["mfu_vs_989"] < 1
+    planned = result["train"]["planned_gib"]  # the planner's terms of the same step
+    assert planned["weights"] > 0 and planned["logits"] > 0 and planned["total"] > planned["weights"]
     for dtype, bar in (("fp32", 1e-5), ("bf16", 0.05)):
         rollout = result["rollout"][dtype]
         assert 8 <= rollout["tokens"] <= 64  # 8 prompts x up to 8 greedy tokens (EOS ends one)

@@ -1,17 +1,18 @@
 """GPU checks, one process and one GPU (nccl world of 1), no Ray: what a lent GPU machine can run.
 
-1. import: a random Qwen2 model (Qwen2.5-0.5B/1.5B shapes, or a tiny one) written as an HF
-   folder and loaded into Megatron-Core; log-probs of the same tokens, Megatron vs transformers,
-   fp32 and bf16.
+1. import: a random model with a config of configs/models/ (the planner's fixtures; cut to its
+   first ``--layers`` layers to fit one GPU) or a tiny Qwen2, written as an HF folder and loaded
+   into Megatron-Core; log-probs of the same tokens, Megatron vs transformers, fp32 and bf16.
 2. train: bf16 training steps through the trainers' own engine (megatron DDP + optimizer,
-   cross-entropy on every position): tokens/s, model TFLOP/s and MFU, peak memory.
+   cross-entropy on every position): tokens/s, model TFLOP/s and MFU, peak memory against the
+   planner's estimate of the same step (``megatron-rlhf plan``'s terms).
 3. rollout: the ``hf`` rollout engine on the GPU (bf16 and fp32) fed by the resharding weight
    sync from the trained model; the engine's log-probs of its own greedy samples vs the trainer's
    of the same tokens, and the engine's decode rate. A second check: the trained weights synced
    into a transformers model score fixed tokens as Megatron does (weights after a sync).
 
 Every section is guarded: a failure is recorded (with its traceback) and the next one still runs.
-Usage: python tools/gpu_check.py --out RESULT.json [--size 0.5b|1.5b|tiny]
+Usage: python tools/gpu_check.py --out RESULT.json [--model configs/models/qwen3-8b --layers 8]
 (``tools/gpu_check.sh`` installs the carried wheels and runs it on the device machine.)
 """
 
@@ -30,28 +31,31 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# name -> (hidden, layers, heads, kv heads, intermediate, vocab): Qwen2.5's published shapes.
-SHAPES = {
-    "tiny": (64, 2, 4, 2, 128, 512),
-    "0.5b": (896, 24, 14, 2, 4864, 151936),
-    "1.5b": (1536, 28, 12, 2, 8960, 151936),
-}
 PEAK_BF16_TFLOPS = 989.4  # H100/H200 SXM dense bf16, vendor datasheet
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=512, tie_word_embeddings=True)
 
 
-def write_hf_model(folder: Path, size: str, device: str) -> None:
-    """A random Qwen2 causal LM (bf16 safetensors) with Qwen2.5's shape for ``size``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def write_hf_model(folder: Path, model: str, layers: int | None, device: str) -> int:
+    """A random causal LM (bf16 safetensors) with the config of ``model`` (a folder holding a
+    config.json, e.g. the planner's configs/models/qwen3-8b, or ``tiny``), cut to its first
+    ``layers`` layers when given. Returns the vocabulary size."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-    hidden, layers, heads, kv, inter, vocab = SHAPES[size]
-    config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                         max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
-                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if model == "tiny":
+        config = Qwen2Config(**TINY)
+    else:
+        config = AutoConfig.from_pretrained(model)
+    config.num_hidden_layers = layers or config.num_hidden_layers
+    if hasattr(config, "max_window_layers"):
+        config.max_window_layers = config.num_hidden_layers
+    config.max_position_embeddings = 4096
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 0, 1, 0
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.save_pretrained(folder)
+    return config.vocab_size
 
 
 def megatron_model(hf_dir: Path, dtype: torch.dtype):
@@ -134,6 +138,8 @@ def check_train(hf_dir: Path, device: str, seq: int, micro: int, micro_batches: 
     from megatron_rlhf.models.forward import token_cross_entropy
     from megatron_rlhf.trainers.engine import make_trainable, train_step
 
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     model, groups, arch, padded = megatron_model(hf_dir, torch.bfloat16)
     trainable = make_trainable(model, groups, OptimConfig(lr=3e-4, warmup_steps_ratio=0.0),
                                total_steps=steps + 2)
@@ -168,9 +174,26 @@ def check_train(hf_dir: Path, device: str, seq: int, micro: int, micro_batches: 
              "tokens_per_step": tokens, "median_step_s": step_s, "tokens_per_s": tokens / step_s,
              "model_tflops": tflops, "mfu_vs_989": tflops / PEAK_BF16_TFLOPS,
              "losses": losses, "params": sum(p.numel() for p in model.parameters())}
+    planned = planned_bytes(arch, seq, micro, micro_batches)
+    stats["planned_gib"] = {k: v / 2 ** 30 for k, v in planned.items()}
     if device == "cuda":
         stats["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        stats["planned_over_measured"] = planned["total"] / torch.cuda.max_memory_allocated()
     return stats, trainable, groups, arch, padded
+
+
+def planned_bytes(arch, seq: int, micro: int, micro_batches: int) -> dict:
+    """The planner's per-GPU bytes of this step: one rank, bf16, no recompute, Adam without the
+    distributed optimizer (what ``make_trainable`` builds by default)."""
+    from megatron_rlhf.distributed.layout import ParallelLayout
+    from megatron_rlhf.models.builder import uses_transformer_engine
+    from megatron_rlhf.planning.plan import Hardware, Run, evaluate
+
+    run = Run(job="sft", seq=seq, micro_batch=micro, global_batch=micro * micro_batches,
+              recompute="none", distributed_optimizer=False, param_bytes=2,
+              kernels="te" if uses_transformer_engine() else "local")
+    plan = evaluate(arch, ParallelLayout(1, 1, 1), Hardware(1, 1, 141.0), run)
+    return {**plan.terms, "total": plan.total}
 
 
 def engine_gap(model, groups, arch, prompts, generations) -> dict:
@@ -285,7 +308,9 @@ def environment(device: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--size", default="0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--model", default="tiny",
+                        help="a folder with a config.json (configs/models/...) or 'tiny'")
+    parser.add_argument("--layers", type=int, default=None, help="keep the first N layers")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=2)
@@ -297,22 +322,26 @@ def main() -> int:
 
     init_distributed()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    results = {"size": args.size, "env": environment(device)}
-    vocab = SHAPES[args.size][5]
+    results = {"model": args.model, "layers": args.layers, "env": environment(device)}
+    tmp = tempfile.TemporaryDirectory()
+    hf_dir = Path(tmp.name) / "hf"
+    vocab = guarded(results, "write_hf_model", write_hf_model, hf_dir, args.model, args.layers,
+                    device)
+    if not isinstance(vocab, int):
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        return 1
     gen = torch.Generator().manual_seed(0)
     data = torch.randint(2, vocab, (args.micro * args.micro_batches, args.seq), generator=gen)
     width = min(256, args.seq)
     probe = torch.cat([data[:2, :width], torch.randint(2, vocab, (2, width), generator=gen)])
     prompts = [data[i % len(data), :min(16 + 8 * i, args.seq)].tolist() for i in range(8)]
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = Path(tmp) / "hf"
-        guarded(results, "write_hf_model", write_hf_model, hf_dir, args.size, device)
-        guarded(results, "import", check_import, hf_dir, device, probe)
-        trained = guarded(results, "train", check_train, hf_dir, device, args.seq, args.micro,
-                          args.micro_batches, args.steps, data)
-        if trained is not None:
-            guarded(results, "rollout", check_rollout, hf_dir, device, *trained[1:], prompts,
-                    args.new_tokens, probe)
+    guarded(results, "import", check_import, hf_dir, device, probe)
+    trained = guarded(results, "train", check_train, hf_dir, device, args.seq, args.micro,
+                      args.micro_batches, args.steps, data)
+    if trained is not None:
+        guarded(results, "rollout", check_rollout, hf_dir, device, *trained[1:], prompts,
+                args.new_tokens, probe)
+    tmp.cleanup()
     Path(args.out).write_text(json.dumps(results, indent=2, default=str))
     print(json.dumps(results, indent=2, default=str), flush=True)
     failed = [k for k, v in results.items() if isinstance(v, dict) and "error" in v]

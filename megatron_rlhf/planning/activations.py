@@ -98,7 +98,17 @@ def layer_bytes(arch: ModelArch, index: int, w: Workload, mode: str, kernels: st
     rope = arch.mla.qk_rope_head_dim if arch.mla else arch.head_dim
     per_sequence = 4 * w.seq * rope * w.element_bytes  # RoPE's cos/sin for q and k
     mask = w.seq * w.seq if mode == "none" else 0  # the causal mask (bool)
-    return tokens * elements * w.element_bytes + per_sequence + mask
+    return tokens * elements * w.element_bytes + per_sequence + mask + _fp32_softmax(arch, w, mode)
+
+
+def _fp32_softmax(arch: ModelArch, w: Workload, mode: str) -> float:
+    """The unfused softmax of half-precision scores runs in fp32 (megatron's
+    ``attention_softmax_in_fp32``, on by default) and keeps its fp32 output for backward beside
+    the bf16 probabilities: 4 more bytes per score. Missing, the plan of a bf16 training step on
+    an H200 was 25-35% short of ``torch.cuda.max_memory_allocated`` (docs/benchmarks.md)."""
+    if mode != "none" or w.element_bytes >= 4:
+        return 0.0
+    return w.batch * w.seq * arch.num_attention_heads / w.tp * w.seq * 4.0
 
 
 def decoder_saved_bytes(arch: ModelArch, w: Workload, mode: str, layers: range | None = None,
