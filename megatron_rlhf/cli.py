@@ -129,9 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         trainer.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=2e-5")
         trainer.add_argument("--nproc-per-node", type=_count, default=1,
                              help="launch this many local processes (ignored under torchrun/srun)")
+        trainer.add_argument("--world-size", type=_count, default=None,
+                             help="with --check-only: the ranks the run will have (default: "
+                                  "--nproc-per-node)")
     ppo = jobs.add_parser("ppo", help="PPO / GRPO: Ray driver + Megatron worker groups")
     ppo.add_argument("--config", help="YAML under configs/ppo/")
     ppo.add_argument("overrides", nargs="*", help="key=value overrides, e.g. actor.ppo_epochs=2")
+    for trainer in (jobs.choices["train-rm"], jobs.choices["sft"], ppo):
+        trainer.add_argument("--check-only", action="store_true",
+                             help="check the config (and the layout for the run's ranks), print "
+                                  "what a launcher needs, run nothing")
 
     tiny = jobs.add_parser("make-tiny-model", help="random tiny LM (any supported family) + tokenizer for the task")
     tiny.add_argument("--data-dir", required=True, help="folder written by tools/make_task_data.py")
@@ -208,6 +215,33 @@ def _validate_before_launch(args) -> None:
         arch = read_checkpoint_info(args.model_dir).arch
         _check_score_io(args)
     layout.resolve(args.nproc_per_node, arch.shape)
+
+
+def check_only(args) -> int:
+    """``--check-only``: the checks a run makes before it starts anything, then one line on stdout
+    with what a launcher needs (PPO: the nodes and GPUs its config asks for)."""
+    if args.job == "ppo":
+        from megatron_rlhf.config.agents import check_agents
+        from megatron_rlhf.config.loader import load_config
+        from megatron_rlhf.config.ppo_checks import validate_ppo_config
+
+        cfg = load_config(TRAINERS["ppo"][0](), args.config, args.overrides)
+        if cfg.agents:
+            check_agents(cfg)
+        validate_ppo_config(cfg)
+        models = {"actor.model_path": cfg.actor.model_path, "critic.model_path":
+                  cfg.critic.model_path, "reward.model_path": cfg.reward.model_path}
+        models.update({f"agents[{i}].model_path": a.model_path for i, a in enumerate(cfg.agents)})
+        for key, path in models.items():
+            if path and not Path(path).exists():
+                raise UserError(f"config: {key}={path} does not exist")
+        print(f"config ok: trainer.nnodes={cfg.trainer.nnodes} "
+              f"trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}")
+        return 0
+    args.nproc_per_node = args.world_size or args.nproc_per_node
+    _validate_before_launch(args)
+    print(f"config ok: {args.nproc_per_node} rank(s)")
+    return 0
 
 
 def _check_score_io(args) -> None:
@@ -288,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     from megatron_rlhf.config.stopping import JOB_START_ENV
+    from megatron_rlhf.trainers.lifecycle import catch_early, release_early
 
+    early = catch_early()
     # trainer.stop_at durations count from here, for the ranks and workers this job starts;
     # an in-process caller's next job starts its own clock.
     started_here = JOB_START_ENV not in os.environ
@@ -296,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
+        release_early(early)
         if started_here:
             os.environ.pop(JOB_START_ENV, None)
 
@@ -308,6 +345,8 @@ def _main(argv: list[str] | None) -> int:
     quiet_cpu_warnings()
 
     try:
+        if getattr(args, "check_only", False):
+            return check_only(args)
         nproc = getattr(args, "nproc_per_node", 1)
         if nproc > 1 and not inside_launch():
             _validate_before_launch(args)

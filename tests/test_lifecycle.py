@@ -9,8 +9,8 @@ import pytest
 
 from megatron_rlhf.config.stopping import JOB_START_ENV, stop_deadline, stop_signals
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.trainers.lifecycle import (MetricsFile, StopRequest, finished, mark_finished,
-                                             run_fingerprint)
+from megatron_rlhf.trainers.lifecycle import (MetricsFile, StopRequest, catch_early, finished,
+                                             mark_finished, release_early, run_fingerprint)
 
 
 def trainer(**kw):
@@ -63,6 +63,22 @@ def test_a_caught_signal_is_a_reason_and_a_second_changes_nothing():
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGUSR2) == before  # put back as it was
+
+
+def test_a_signal_during_start_up_is_kept_for_the_run():
+    """Slurm's time-limit USR1 can arrive while the job still imports: it must become the run's
+    stop reason (Python's default action would kill the job, which Slurm reads as a failure)."""
+    before = signal.getsignal(signal.SIGUSR1)
+    early = catch_early()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # before any StopRequest exists: not fatal
+        stop = StopRequest(trainer(), "test")
+        assert stop.reason() == "SIGUSR1 received"
+        assert StopRequest(trainer(stop_signals=["SIGTERM"]), None).reason() is None
+    finally:
+        release_early(early)
+    assert signal.getsignal(signal.SIGUSR1) == before
+    assert StopRequest(trainer(), None).reason() is None  # released: the next run starts clean
 
 
 def test_finished_marker_matches_its_settings_and_what_the_run_left(tmp_path):

@@ -22,9 +22,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SLURM_DIR = REPO / "slurm"
 SLURM_LOCAL = REPO / "tools" / "slurm_local.sh"
-SCRIPTS = [SLURM_DIR / "convert_hf_to_mcore.sbatch", SLURM_DIR / "score_rm.sbatch"]
+TRAINING = [SLURM_DIR / "train_rm.sbatch", SLURM_DIR / "sft.sbatch"]
+SCRIPTS = [SLURM_DIR / "convert_hf_to_mcore.sbatch", SLURM_DIR / "score_rm.sbatch", *TRAINING]
 RAY_SCRIPT = SLURM_DIR / "ppo_ray.sbatch"  # one task per node: the Ray head/worker, not a rank
-SHELL_FILES = SCRIPTS + [RAY_SCRIPT, SLURM_LOCAL]
+SHELL_FILES = SCRIPTS + [RAY_SCRIPT, SLURM_LOCAL, SLURM_DIR / "lib.sh",
+                         REPO / "tools" / "slurm_two_nodes.sh", REPO / "tools" / "gpu_check.sh"]
 EXIT_CANNOT_START = 3  # tools/slurm_local.sh: not root, or a daemon did not come up
 JOB_TIMEOUT_S = 240
 
@@ -52,17 +54,110 @@ def test_scripts_pass_shellcheck(path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SCRIPTS + [RAY_SCRIPT], ids=lambda p: p.name)
 def test_sbatch_scripts_are_strict_and_ask_for_a_full_gpu_node(path):
     text = path.read_text()
     assert text.startswith("#!/bin/bash\n")
-    assert "\nset -euo pipefail\n" in text
+    # -u and pipefail; not -e: the library handles every failing step itself (and says which).
+    assert "\nset -uo pipefail\n" in text
     directives = re.findall(r"^#SBATCH (\S+)", text, flags=re.M)
     assert "--gpus-per-node=8" in directives
-    assert "--ntasks-per-node=8" in directives
-    assert "srun " in text
+    assert f"--ntasks-per-node={1 if path == RAY_SCRIPT else 8}" in directives
+    assert "rlhf_init" in text and "source \"$lib\"" in text  # every srun goes through slurm/lib.sh
     # Directives after the first command are ignored by sbatch: all must precede `set`.
-    assert text.index("set -euo pipefail") > text.rindex("#SBATCH")
+    assert text.index("set -uo pipefail") > text.rindex("#SBATCH")
+
+
+@pytest.mark.parametrize("path", TRAINING + [RAY_SCRIPT], ids=lambda p: p.name)
+def test_training_scripts_stop_cleanly_before_their_time_limit_and_requeue(path):
+    directives = re.findall(r"^#SBATCH (\S+)", path.read_text(), flags=re.M)
+    assert any(re.fullmatch(r"--signal=B:USR1@\d+", d) for d in directives)
+    assert "--requeue" in directives and "--open-mode=append" in directives
+
+
+def _dry_run(script: Path, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    """The script as sbatch would start it on gpu[07-08], printing its srun lines (PYTHON: this
+    interpreter outside a container; inside one the image's own)."""
+    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "DRY_RUN": "1",
+            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_SUBMIT_DIR": str(REPO), "LOG_ROOT": str(tmp_path / "logs")}
+    if "CONTAINER_IMAGE" not in env:
+        base["PYTHON"] = sys.executable
+    return subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**base, **env}, timeout=120)
+
+
+def _srun_lines(stdout: str) -> list[list[str]]:
+    """The printed srun lines as argument lists (they are printed shell-quoted)."""
+    import shlex
+
+    return [shlex.split(line[2:]) for line in stdout.splitlines() if line.startswith("+ srun ")]
+
+
+NO_MODELS = "critic.model_path=null reward.model_path=null reward.fn=addition"
+
+
+def _model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def test_dry_run_prints_pyxis_srun_lines(tmp_path):
+    image = tmp_path / "rlhf.sqsh"
+    image.write_bytes(b"")
+    proc = _dry_run(RAY_SCRIPT, tmp_path, CONFIG="configs/ppo/tiny_cpu.yaml",
+                    OVERRIDES=f"trainer.nnodes=2 actor.model_path={_model_dir(tmp_path)} {NO_MODELS}",
+                    CONTAINER_IMAGE=str(image), CONTAINER_MOUNTS="/data:/data")
+    assert proc.returncode == 0, proc.stderr
+    lines = _srun_lines(proc.stdout)
+    # the config check, the Ray head, the worker, the wait, the driver: every one in the image
+    assert len(lines) == 5, proc.stdout
+    for args in lines:
+        assert f"--container-image={image}" in args
+        assert f"--container-mounts=/data:/data,{tmp_path}/logs:{tmp_path}/logs" in args
+        assert "--container-workdir=/opt/megatron_rlhf" in args
+        assert args[args.index("--container-workdir=/opt/megatron_rlhf") + 1] in ("python", "ray")
+    head, worker, driver = (" ".join(lines[i]) for i in (1, 2, 4))
+    assert " -w gpu07 " in head and "ray start --head" in head
+    assert " -w gpu08 " in worker and "--address=gpu07:" in worker
+    assert "python -m megatron_rlhf.cli ppo" in driver and "ray.address=gpu07:" in driver
+
+
+def test_dry_run_prints_apptainer_srun_lines(tmp_path):
+    proc = _dry_run(TRAINING[0], tmp_path, CONFIG="configs/rm/tiny_cpu.yaml",
+                    CONTAINER_RUNTIME="apptainer", CONTAINER_IMAGE="docker://example/rlhf:1",
+                    SLURM_NTASKS="16")
+    assert proc.returncode == 0, proc.stderr
+    lines = [" ".join(args) for args in _srun_lines(proc.stdout)]
+    assert len(lines) == 2, proc.stdout  # the config check, the ranks
+    wrap = (f"apptainer exec --nv --pwd /opt/megatron_rlhf --bind {tmp_path}/logs:{tmp_path}/logs"
+            " docker://example/rlhf:1 python -m megatron_rlhf.cli train-rm")
+    assert all(wrap in line for line in lines), lines
+    assert "--world-size 16 --check-only" in lines[0]
+    assert "--kill-on-bad-exit=0 --wait=60" in lines[1]
+
+
+@pytest.mark.parametrize("case", ["missing config", "node count", "missing image"])
+def test_bad_input_is_one_line_before_any_node_is_used(tmp_path, case):
+    env = {"CONFIG": "configs/ppo/tiny_cpu.yaml",
+           "OVERRIDES": f"trainer.nnodes=2 actor.model_path={_model_dir(tmp_path)} {NO_MODELS}"}
+    if case == "missing config":
+        env.pop("CONFIG")
+    elif case == "node count":
+        env["OVERRIDES"] = env["OVERRIDES"].replace("trainer.nnodes=2", "trainer.nnodes=4")
+        env["DRY_RUN"] = "0"  # the check runs here (no container), nothing is started
+    else:
+        env["CONTAINER_IMAGE"] = str(tmp_path / "missing.sqsh")
+    proc = _dry_run(RAY_SCRIPT, tmp_path, **env)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, proc.stderr
+    assert "+ srun" not in proc.stdout
+    expected = {"missing config": "set CONFIG to a PPO config YAML",
+                "node count": "trainer.nnodes=4 but the job has 2 node(s)",
+                "missing image": "missing.sqsh does not exist"}[case]
+    assert expected in errors[0], errors
 
 
 def _slurm_local(command: str, env: dict[str, str], timeout: float = 600):
@@ -158,7 +253,7 @@ def test_score_rm_sbatch_matches_single_process(slurm_env, tmp_path):
     _prefs(data)
 
     env = dict(slurm_env, VENV=sys.prefix, PYTHON=sys.executable, REPO_DIR=str(REPO),
-               OMP_NUM_THREADS="1", TP="2", PP="1")
+               OMP_NUM_THREADS="1", TP="2", PP="1", LOG_ROOT=str(tmp_path / "logs"))
     # This node has 2 CPUs and 8 fake GPUs: keep the scripts' --gpus-per-node=8, shrink the rest.
     node = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
 
@@ -209,13 +304,16 @@ def test_ppo_ray_sbatch_runs_ppo_on_the_job_ray_cluster(slurm_env, tmp_path):
                  f"critic.model_path=null trainer.max_steps=2 trainer.output_dir={out}")
     port = _free_port()
     env = {**slurm_env, "CONFIG": "configs/ppo/tiny_cpu.yaml", "OVERRIDES": overrides,
-           "GPUS_PER_NODE": "1", "RAY_PORT": str(port)}
+           "GPUS_PER_NODE": "1", "RAY_PORT": str(port), "LOG_ROOT": str(tmp_path / "logs"),
+           "PYTHON": sys.executable}
     # A Ray cluster beside the job's, as another user's on a shared node: it must outlive the job.
     bystander = subprocess.Popen([sys.executable, "-c", BYSTANDER], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
     try:
         assert bystander.stdout.readline().strip() == "up"
-        log = _sbatch(RAY_SCRIPT, ["--cpus-per-task=2"], env, tmp_path / "job.log")
+        # --time=5 min: the stop signal must come later than the default 300 s before the end.
+        log = _sbatch(RAY_SCRIPT, ["--cpus-per-task=2", "--signal=B:USR1@30"], env,
+                      tmp_path / "job.log")
         bystander.stdin.write("check\n")
         bystander.stdin.flush()
         assert bystander.stdout.readline().strip() == "alive 3"

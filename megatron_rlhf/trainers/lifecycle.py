@@ -21,6 +21,35 @@ from megatron_rlhf.config.stopping import stop_deadline, stop_signals
 FINISHED_FILE = "finished.json"
 
 
+# A stop signal that arrived before any run installed its StopRequest (see catch_early).
+_EARLY: dict = {"received": None}
+EARLY_SIGNALS = ("SIGUSR1", "SIGUSR2")
+
+
+def catch_early() -> dict:
+    """From the first line of ``main``: a stop signal arriving while the job imports and sets
+    up (a Slurm time-limit signal can come at any moment, and Python's default for SIGUSR1 is to
+    die) is kept for the run's :class:`StopRequest` instead. Returns the handlers it replaced;
+    outside the main thread (an in-process caller's worker thread) it does nothing."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def caught(signum, _frame):
+        _EARLY["received"] = _EARLY["received"] or signal.Signals(signum).name
+
+    _EARLY["received"] = None
+    return {name: signal.signal(getattr(signal, name), caught) for name in EARLY_SIGNALS}
+
+
+def release_early(previous: dict) -> None:
+    """Put back what :func:`catch_early` replaced."""
+    for name, handler in previous.items():
+        signal.signal(getattr(signal, name), signal.SIG_DFL if handler is None else handler)
+    _EARLY["received"] = None
+
+
 class StopRequest:
     """The stop signals of ``trainer`` caught (a second one during the save changes nothing),
     and the deadline ``trainer.stop_at`` watched against the longest step and save seen.
@@ -31,7 +60,11 @@ class StopRequest:
         self.signals = stop_signals(trainer.stop_signals)
         self.deadline = stop_deadline(trainer.stop_at)
         self.margin_s = float(trainer.stop_margin_s)
-        self.received: str | None = None
+        early = _EARLY["received"]
+        self.received: str | None = early if early in {s.name for s in self.signals} else None
+        if self.received and label is not None:
+            print(f"[{label}] {early} received during start-up: stopping at the first step "
+                  "boundary", file=sys.stderr, flush=True)
         self.step_s = self.save_s = 0.0
         self._previous: dict = {}
 
