@@ -102,3 +102,53 @@ def test_build_context_leaves_out_local_state():
     ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
     for entry in (".git", ".venv", "**/__pycache__"):
         assert entry in ignore
+
+
+def test_the_gpu_stack_is_pinned_and_installed_in_order(parsed):
+    """torch first, Transformer Engine and flash-attn compiled against it without build isolation,
+    then the package; each step constrained to docker/constraints-gpu.txt; a smoke test imports
+    TE, SGLang and megatron-core."""
+    run = next(r for r in _instructions(parsed, "RUN") if ".[gpu]" in r)
+    steps = [step.strip() for step in run.split("&&")]
+    installs = [step for step in steps if "pip install" in step]
+    assert all("-c docker/constraints-gpu.txt" in step for step in installs), installs
+    assert re.search(r"pip install .* torch$", installs[0]), installs[0]
+    assert "--no-build-isolation" in installs[1] and "transformer-engine[pytorch]" in installs[1]
+    assert "flash-attn" in installs[1] and ".[gpu]" in installs[2]
+    smoke = next(step for step in steps if step.startswith("python -c"))
+    for module in ("transformer_engine.pytorch", "sglang", "megatron.core"):
+        assert module in smoke
+
+
+def _gpu_pins():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_pins
+    finally:
+        sys.path.pop(0)
+    return gpu_pins
+
+
+def test_gpu_pins_agree_with_each_other_and_with_setup_py():
+    pins = _gpu_pins()
+    pinned = pins.read_pins()
+    for name in ("torch", "transformer-engine", "megatron-core", "sglang", "ray", "transformers",
+                 "flash-attn", "torch-memory-saver"):
+        assert name in pinned, name
+    requires = json.loads(pins.REQUIRES.read_text())
+    assert pins.conflicts(pinned, requires, pins.setup_requirements()) == []
+
+
+def test_a_pin_that_breaks_a_requirement_is_named():
+    pins = _gpu_pins()
+    pinned = pins.read_pins()
+    requires = json.loads(pins.REQUIRES.read_text())
+    found = pins.conflicts({**pinned, "torch": "2.13.0", "tokenizers": "0.23.3"}, requires,
+                           pins.setup_requirements())
+    assert "sglang==0.5.23 requires torch==2.14.1, but torch is pinned to 2.13.0" in found
+    assert "sglang==0.5.23 requires tokenizers==0.23.2, but tokenizers is pinned to 0.23.3" in found
+    # a pin changed without re-reading its requirements
+    found = pins.conflicts({**pinned, "ray": "2.61.0"}, requires, pins.setup_requirements())
+    assert "ray==2.60.0: recorded, but the pin is 2.61.0 (run --refresh)" in found
+    found = pins.conflicts(pinned, requires, ["transformers<5.19"])
+    assert found == ["setup.py requires transformers<5.19, but transformers is pinned to 5.19.0"]
