@@ -1,6 +1,7 @@
 """The README's main command: `megatron-rlhf demo` on the embedded tiny default."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,12 +11,15 @@ from megatron_rlhf.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_demo_runs_end_to_end(tmp_path):
     """SFT -> reward model -> PPO -> A/B test of PPO vs SFT -> before/after table and plot, on
-    2 CPU cores."""
+    CPU. One thread (the spread's OMP 1 rows): the suite runs another test file beside it, and
+    two 2-thread trainings on 2 cores spin on each other's cores."""
     out = tmp_path / "demo"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", "demo", "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=1500, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     print(json.dumps(summary, indent=2))

@@ -26,7 +26,8 @@ def test_gpu_check_runs_every_section_at_its_tiny_size(tmp_path):
     assert 0 < result["train"]["mfu_vs_989"] < 1
     planned = result["train"]["planned_gib"]  # the planner's terms of the same step
     assert planned["weights"] > 0 and planned["logits"] > 0 and planned["total"] > planned["weights"]
+    assert sorted(result["rollout"]) == ["hf_bf16", "hf_fp32"]  # no SGLang on CPU
     for dtype, bar in (("fp32", 1e-5), ("bf16", 0.05)):
-        rollout = result["rollout"][dtype]
+        rollout = result["rollout"][f"hf_{dtype}"]
         assert 8 <= rollout["tokens"] <= 64  # 8 prompts x up to 8 greedy tokens (EOS ends one)
         assert rollout["max_abs_diff"] < bar and rollout["fixed_tokens"]["max_abs_diff"] < bar

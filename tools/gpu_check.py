@@ -6,10 +6,12 @@
 2. train: bf16 training steps through the trainers' own engine (megatron DDP + optimizer,
    cross-entropy on every position): tokens/s, model TFLOP/s and MFU, peak memory against the
    planner's estimate of the same step (``megatron-rlhf plan``'s terms).
-3. rollout: the ``hf`` rollout engine on the GPU (bf16 and fp32) fed by the resharding weight
-   sync from the trained model; the engine's log-probs of its own greedy samples vs the trainer's
-   of the same tokens, and the engine's decode rate. A second check: the trained weights synced
-   into a transformers model score fixed tokens as Megatron does (weights after a sync).
+3. rollout: the ``hf`` rollout engine on the GPU (bf16 and fp32), and SGLang (bf16) when it is
+   installed, fed by the resharding weight sync from the trained model; the engine's log-probs of
+   its own greedy samples vs the trainer's of the same tokens, and the engine's decode rate. A
+   second check: the trained weights synced into a transformers model score fixed tokens as
+   Megatron does (weights after a sync). The SGLang branch has never run (SGLang cannot be
+   carried to the GPU machines lent so far).
 
 Every section is guarded: a failure is recorded (with its traceback) and the next one still runs.
 Usage: python tools/gpu_check.py --out RESULT.json [--model configs/models/qwen3-8b --layers 8]
@@ -214,23 +216,41 @@ def engine_gap(model, groups, arch, prompts, generations) -> dict:
             "tokens": int(mask.sum()), "mean_logprob": trainer[mask].mean().item()}
 
 
+def _engines(hf_dir: Path, device: str):
+    """(label, dtype, factory) of every rollout engine this machine can run: the ``hf`` engine in
+    bf16 and fp32, and SGLang in bf16 when it is installed."""
+    import importlib.util
+
+    from megatron_rlhf.rollout.hf_engine import HFGenerator
+
+    found = [(f"hf_{name}", dtype, lambda dtype=dtype: HFGenerator(str(hf_dir), dtype, pad_id=0,
+                                                                   eos_id=1, device=device))
+             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))]
+    if device == "cuda" and importlib.util.find_spec("sglang") is not None:
+        from megatron_rlhf.config.ppo_schema import RolloutConfig
+        from megatron_rlhf.rollout.sglang_engine import SGLangGenerator
+
+        config = RolloutConfig(backend="sglang", tp=1, gpu_memory_utilization=0.3)
+        found.append(("sglang_bf16", torch.bfloat16,
+                      lambda: SGLangGenerator(str(hf_dir), config, torch.bfloat16, eos_id=1)))
+    return found
+
+
 def check_rollout(hf_dir: Path, device: str, trainable, groups, arch, padded, prompts, new_tokens,
                   probe: torch.Tensor) -> dict:
-    """Weight sync into the ``hf`` engine (bf16, then fp32 copies of the same weights)."""
+    """Weight sync into each engine of :func:`_engines` (fp32: an fp32 copy of the same weights)."""
     from megatron_rlhf.rollout.base import SamplingParams
-    from megatron_rlhf.rollout.hf_engine import HFGenerator
     from megatron_rlhf.rollout.weight_sync import WeightSync
 
     model = trainable.module
     result = {}
-    for label, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        engine = HFGenerator(str(hf_dir), dtype, pad_id=0, eos_id=1, device=device)
+    for label, dtype, make in _engines(hf_dir, device):
+        engine = make()
         engine.release_memory()
         engine.resume_memory()
         if dtype == torch.float32:
             # The same (bf16-trained) weights in fp32 on both sides: only kernels differ.
-            trainer = _fp32_copy(hf_dir, model, device)
-            sync_model, sync_groups = trainer
+            sync_model, sync_groups = _fp32_copy(hf_dir, model, device)
         else:
             sync_model, sync_groups = model, groups
         start = time.perf_counter()
@@ -251,9 +271,11 @@ def check_rollout(hf_dir: Path, device: str, trainable, groups, arch, padded, pr
         entry = engine_gap(sync_model, sync_groups, arch, prompts, generations)
         entry.update(sync_s=sync_s, sync_bytes=stats["bytes"], sync_buckets=stats["buckets"],
                      generated_tokens=produced, decode_tokens_per_s=produced / gen_s)
-        entry["fixed_tokens"] = compare(megatron_logprobs(sync_model, sync_groups, arch, probe),
-                                        hf_logprobs(engine.model, probe))
+        if hasattr(engine, "model"):  # a transformers model: score fixed tokens too
+            entry["fixed_tokens"] = compare(megatron_logprobs(sync_model, sync_groups, arch, probe),
+                                            hf_logprobs(engine.model, probe))
         result[label] = entry
+        engine.release_memory()
         del engine
         _free(device)
     return result
