@@ -26,7 +26,8 @@ TRAINING = [SLURM_DIR / "train_rm.sbatch", SLURM_DIR / "sft.sbatch"]
 SCRIPTS = [SLURM_DIR / "convert_hf_to_mcore.sbatch", SLURM_DIR / "score_rm.sbatch", *TRAINING]
 RAY_SCRIPT = SLURM_DIR / "ppo_ray.sbatch"  # one task per node: the Ray head/worker, not a rank
 SHELL_FILES = SCRIPTS + [RAY_SCRIPT, SLURM_LOCAL, SLURM_DIR / "lib.sh",
-                         REPO / "tools" / "slurm_two_nodes.sh", REPO / "tools" / "gpu_check.sh"]
+                         *(REPO / "tools" / name for name in ("slurm_daemons.sh",
+                                                              "slurm_two_nodes.sh", "gpu_check.sh"))]
 EXIT_CANNOT_START = 3  # tools/slurm_local.sh: not root, or a daemon did not come up
 JOB_TIMEOUT_S = 240
 

@@ -40,28 +40,8 @@ export SLURM_CONF=$CONF
 log() { printf 'slurm_local: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-# True when the process named in pid file $1 is alive.
-pid_alive() {
-    local pid
-    [[ -s $1 ]] || return 1
-    pid=$(<"$1")
-    [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null
-}
-
-install_packages() {
-    local missing=() pkg
-    for pkg in "${PACKAGES[@]}"; do
-        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' \
-            || missing+=("$pkg")
-    done
-    ((${#missing[@]})) || return 0
-    command -v apt-get >/dev/null || die "missing packages ${missing[*]} and no apt-get"
-    ((EUID == 0)) || die "missing packages ${missing[*]}; run as root to install them"
-    log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${missing[@]}" >/dev/null
-}
+# shellcheck source=tools/slurm_daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_daemons.sh"
 
 munge_works() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 
@@ -166,7 +146,7 @@ start() {
         log "the daemons run as root here (SlurmUser=root); run start as root"
         exit "$EXIT_DAEMON"
     fi
-    install_packages
+    install_packages "${PACKAGES[@]}" || die "cannot install Slurm's packages"
     install -d -m 0755 "$STATE/run"
     start_munge
     if pid_alive "$STATE/run/slurmctld.pid" && pid_alive "$STATE/run/slurmd.pid"; then
@@ -201,21 +181,6 @@ start() {
             ;;
     esac
     log "up: node localhost is $state (SLURM_CONF=$CONF)"
-}
-
-# Kill the process in pid file $1 (TERM, then KILL after 10 s) and remove the file.
-stop_pid() {
-    local file=$1 pid _
-    if pid_alive "$file"; then
-        pid=$(<"$file")
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 100); do
-            kill -0 "$pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
-    fi
-    rm -f "$file"
 }
 
 stop_slurm() {

@@ -50,36 +50,8 @@ cannot() {
     exit 3
 }
 
-pid_alive() {
-    local pid
-    [[ -s $1 ]] || return 1
-    pid=$(<"$1")
-    [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null
-}
-
-stop_pidfile() {
-    local pid
-    pid_alive "$1" || return 0
-    pid=$(<"$1")
-    kill -TERM "$pid" 2>/dev/null
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null
-}
-
-install_packages() {
-    local missing=() pkg
-    for pkg in "${PACKAGES[@]}"; do
-        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' \
-            || missing+=("$pkg")
-    done
-    ((${#missing[@]})) || return 0
-    command -v apt-get >/dev/null || cannot "missing ${missing[*]} and no apt-get"
-    log "installing ${missing[*]}"
-    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends "${missing[@]}" >/dev/null; }; then
-        cannot "apt-get install failed"
-    fi
-}
+# shellcheck source=tools/slurm_daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/slurm_daemons.sh"
 
 make_network() {
     local i ns
@@ -177,7 +149,7 @@ start() {
         return 0
     fi
     stop >/dev/null 2>&1
-    install_packages
+    install_packages "${PACKAGES[@]}" || cannot "Slurm's packages are missing"
     mkdir -p "$STATE"
     log "network"
     make_network
@@ -203,9 +175,9 @@ start() {
 
 stop() {
     local i ns pids
-    stop_pidfile "$STATE/run/slurmd-node1.pid"
-    stop_pidfile "$STATE/run/slurmd-node2.pid"
-    stop_pidfile "$STATE/run/slurmctld.pid"
+    stop_pid "$STATE/run/slurmd-node1.pid"
+    stop_pid "$STATE/run/slurmd-node2.pid"
+    stop_pid "$STATE/run/slurmctld.pid"
     for i in 1 2; do
         ns=$PREFIX-n$i
         ip netns list 2>/dev/null | grep -qw "$ns" || continue
@@ -222,7 +194,7 @@ stop() {
         ip netns del "$ns"
     done
     ip link show "$BRIDGE" >/dev/null 2>&1 && ip link del "$BRIDGE"
-    stop_pidfile "$STATE/munge/munged.pid"
+    stop_pid "$STATE/munge/munged.pid"
     rm -rf "$STATE"
     log "stopped"
 }
