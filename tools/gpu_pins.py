@@ -3,6 +3,7 @@ themselves require, and against setup.py.
 
     python tools/gpu_pins.py            # check (offline): exit 1 naming every conflict
     python tools/gpu_pins.py --refresh  # re-read each pinned release's requirements from PyPI
+                                        # (and SGLang's argument names, config/sglang_names.py)
 
 The check reads docker/gpu_requires.json: for every pin, the ``Requires-Dist`` lines of that exact
 release (its cp312 manylinux wheel, or its sdist's PKG-INFO), kept beside the pins so that CI
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import textwrap
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -120,6 +122,44 @@ def _requires_dist(metadata: str) -> list[str]:
             if line.startswith("Requires-Dist:") and "extra ==" not in line]
 
 
+SGLANG_NAMES = ROOT / "megatron_rlhf" / "config" / "sglang_names.py"
+
+
+def _struct_fields(source: str, classes: set[str] | None = None) -> set[str]:
+    """Annotated field names of the (msgspec) classes in ``source`` (all classes, or ``classes``)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and (classes is None or node.name in classes):
+            names |= {item.target.id for item in node.body
+                      if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                      and not item.target.id.startswith("_")}
+    return names
+
+
+def write_sglang_names(wheel: Path, version: str) -> None:
+    """The names SGLang ``version`` accepts as engine (server) arguments and sampling parameters,
+    read from its wheel's source (ServerArgs is assembled from ``srt/arg_groups/fields``)."""
+    with zipfile.ZipFile(wheel) as whl:
+        server = set()
+        for name in whl.namelist():
+            if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):
+                server |= _struct_fields(whl.read(name).decode())
+        sampling = _struct_fields(whl.read("sglang/srt/sampling/sampling_params.py").decode(),
+                                  {"SamplingParams"})
+    def names(values: set[str]) -> str:
+        body = textwrap.fill(" ".join(repr(v) + "," for v in sorted(values)), 96,
+                             initial_indent="    ", subsequent_indent="    ")
+        return "frozenset((\n" + body + "\n))"
+
+    SGLANG_NAMES.write_text(
+        f'"""Written by tools/gpu_pins.py from the wheel of SGLang {version}: the engine arguments\n'
+        "and sampling parameters it accepts, to check ours against where SGLang is not installed."
+        '"""\n\n'
+        f'VERSION = "{version}"\n'
+        f"SERVER_ARGS = {names(server)}\n"
+        f"SAMPLING_PARAMS = {names(sampling)}\n")
+
+
 def refresh(pins: dict[str, str]) -> dict[str, list[str]]:
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,6 +179,8 @@ def refresh(pins: dict[str, str]) -> dict[str, list[str]]:
             metadata = (_metadata_from_wheel(wheels[0]) if proc.returncode == 0 and wheels
                         else _metadata_from_sdist(name, version))
             found[f"{name}=={version}"] = _requires_dist(metadata)
+            if name == "sglang":
+                write_sglang_names(wheels[0], version)
             for wheel in wheels:
                 wheel.unlink()
     return found

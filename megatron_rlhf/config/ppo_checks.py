@@ -10,6 +10,7 @@ from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
+from megatron_rlhf.config.sglang import check_sglang_settings
 from megatron_rlhf.config.stopping import check_stop_settings
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import logger_kinds
@@ -106,6 +107,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     if alg.kl_ctrl.type == "adaptive":
         check_positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
         check_positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
+    check_sglang_settings(r)
     if r.backend == "sglang" and r.tp > 1:
         # Ray shows each worker one GPU; an SGLang engine spanning several needs them all.
         raise UserError(f"config: rollout.tp={r.tp} with rollout.backend=sglang is not supported "

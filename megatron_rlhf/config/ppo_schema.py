@@ -253,6 +253,14 @@ class RolloutConfig:
     """Weight-sync bucket: at most this many MiB of weights in flight per rank."""
     gpu_memory_utilization: float = 0.4
     """SGLang's static memory (weights + KV cache) per GPU, as a fraction of the GPU."""
+    deterministic: bool = False
+    """SGLang's deterministic inference (batch-invariant kernels: a sample's tokens depend on
+    its seed, not on what else is in the batch; slower). Every sample has a seed of its own
+    (the replica's seed and its index), so a group's samples still differ."""
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Further SGLang engine arguments by SGLang's own names (``{ep_size: 8,
+    enable_dp_attention: true}``), checked at start-up against the names the pinned SGLang
+    knows; the ones the config sets (tp, memory, seed, deterministic) are not taken here."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
 

@@ -4,7 +4,9 @@ The first rank of each generator replica starts an in-process ``sglang.Engine`` 
 ``tp_size=rollout.tp`` (SGLang shards the full HF tensors it is given itself); the other ranks of
 the replica only take part in the weight sync. Weights arrive through
 ``update_weights_from_tensor`` bucket by bucket; ``release_memory_occupation`` frees the KV cache
-and weights while the trainer runs. Not runnable on CPU: SGLang needs CUDA.
+and weights while the trainer runs. Engine arguments and per-sample sampling parameters come
+from :mod:`megatron_rlhf.config.sglang` (checked against SGLang's names at start-up). Not
+runnable on CPU: SGLang needs CUDA.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Iterable
 import torch
 
 from megatron_rlhf.config.ppo_schema import RolloutConfig
+from megatron_rlhf.config.sglang import engine_args, sampling_args
 from megatron_rlhf.rollout.base import Generation, SamplingParams
 
 
@@ -25,11 +28,8 @@ class SGLangGenerator:
         if dist.get_rank() % cfg.tp == 0:
             import sglang
 
-            self.engine = sglang.Engine(
-                model_path=hf_dir, tp_size=cfg.tp, dtype=str(dtype).removeprefix("torch."),
-                load_format="dummy",  # real weights arrive with the first sync
-                enable_memory_saver=True, mem_fraction_static=cfg.gpu_memory_utilization,
-                base_gpu_id=torch.cuda.current_device(), random_seed=cfg.seed)
+            self.engine = sglang.Engine(**engine_args(
+                cfg, hf_dir, str(dtype).removeprefix("torch."), torch.cuda.current_device()))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self.engine is not None:
@@ -53,11 +53,9 @@ class SGLangGenerator:
             return []
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         stops = {*params.stop_token_ids, *self.eos_ids}
-        sampling = {"max_new_tokens": params.max_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "top_k": params.top_k or -1,
-                    "stop_token_ids": params.stop_token_ids, "sampling_seed": params.seed}
         outputs = self.engine.generate(input_ids=[prompts[i] for i in rows],
-                                       sampling_params=sampling, return_logprob=True)
+                                       sampling_params=sampling_args(params, len(rows)),
+                                       return_logprob=True)
         result = []
         for row, out in zip(rows, outputs):
             meta = out["meta_info"]
