@@ -173,6 +173,13 @@ def test_layout_check_names_the_micro_batch():
         check_layout(validate_ppo_config(_config("rollout.tp=2")), world=3, dp=3)
     # A separate critic group generates nothing: the rollout's TP does not constrain it.
     check_layout(validate_ppo_config(_config("rollout.tp=2")), world=1, dp=1, generates=False)
+    # Engines never straddle two nodes: 2 nodes of 3 ranks cannot hold engines of 2.
+    straddling = validate_ppo_config(_config("rollout.tp=2", "trainer.n_gpus_per_node=3",
+                                             "trainer.nnodes=2"))
+    with pytest.raises(UserError, match="rollout.tp=2 does not divide the 3 GPUs of a node"):
+        check_layout(straddling, world=6, dp=6)
+    check_layout(validate_ppo_config(_config("rollout.tp=4", "trainer.n_gpus_per_node=2",
+                                             "trainer.nnodes=2")), world=4, dp=4)  # two nodes
 
 
 def test_multi_turn_rollout_retries_unsolved_turns_only():

@@ -8,7 +8,7 @@ from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
 from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
 from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
-from megatron_rlhf.config.parallel import check_parallel
+from megatron_rlhf.config.parallel import check_engine_layout, check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.config.sglang import check_sglang_settings
 from megatron_rlhf.config.stopping import check_stop_settings
@@ -180,6 +180,9 @@ def check_layout(cfg: PPOConfig, world: int, dp: int, generates: bool = True) ->
     a = cfg.actor
     if generates and world % cfg.rollout.tp:
         raise UserError(f"config: rollout.tp={cfg.rollout.tp} does not divide the {world} worker ranks")
+    if generates:
+        per_node = min(world, cfg.trainer.n_gpus_per_node)
+        check_engine_layout(cfg.rollout.tp, per_node, -(-world // per_node))
     per_rank = a.ppo_mini_batch_size // dp if a.ppo_mini_batch_size % dp == 0 else None
     if per_rank is None or per_rank % a.ppo_micro_batch_size_per_rank:
         raise UserError(f"config: actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must split into "

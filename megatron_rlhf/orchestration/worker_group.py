@@ -56,6 +56,13 @@ def _worker_class():
         def pid(self) -> int:
             return os.getpid()
 
+        def place(self) -> tuple[str, list[int]]:
+            """(Ray node id, the GPU ids Ray gave this rank: declared ones on CPU too)."""
+            import ray as _ray
+
+            ids = [int(i) for i in _ray.get_gpu_ids()]
+            return _ray.get_runtime_context().get_node_id(), ids
+
     return RankActor
 
 
@@ -142,6 +149,21 @@ class WorkerGroup:
                 self.shutdown()
                 raise WorkerFailed(_describe(self.name, what, failed))
         return ray.get(refs)
+
+    def places(self):
+        """Where each rank runs (:class:`~megatron_rlhf.orchestration.engine_placement.Place`,
+        rank order): its node and its GPU there; a rank without a GPU counts as its node's
+        next slot, in rank order."""
+        import ray
+
+        from megatron_rlhf.orchestration.engine_placement import Place
+
+        found, slots = [], {}
+        for rank, (node, gpus) in enumerate(ray.get([a.place.remote() for a in self.actors])):
+            slot = gpus[0] if gpus else slots.get(node, 0)
+            slots[node] = slots.get(node, 0) + 1
+            found.append(Place(rank, node, slot))
+        return found
 
     def pids(self) -> list[int]:
         import ray
