@@ -4,7 +4,9 @@ once under torchrun (4 ranks) by tests/test_families.py.
 Logits of every family under TP=2, PP=2 and, for MoE models, EP=2, EP=4 and TP=2 x EP=2 against
 transformers; EP layouts against EP=1; a checkpoint saved at EP=2 reloaded at other layouts; the
 weight sync at EP=2 (and TP2 x EP2, PP2 x EP2): the
-engine's log-probs of its own generations after one sync against the trainer's.
+engine's log-probs of its own generations after one sync against the trainer's; and engines
+spanning ranks (TP=2 fed by PP=2, TP=2 x EP=2 fed by EP=4, TP=2 with its experts split by
+TP fed by TP=2 x EP=2) after two syncs.
 Usage: torchrun --nproc-per-node 4 tests/dist_families.py MODELS_ROOT WORKDIR OUT.json
 """
 
@@ -28,6 +30,7 @@ from dist_weight_sync import gap, perturb  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
 from megatron_rlhf.rollout.base import SamplingParams  # noqa: E402
+from megatron_rlhf.rollout.engines import place_engines  # noqa: E402
 from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
 from megatron_rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 
@@ -53,6 +56,11 @@ SYNCS = {"qwen3_moe_ep2": ("qwen3_moe", (1, 1, None, 2)),
          "deepseek_v3_5l_pp2": ("deepseek_v3_5l", (1, 2)),
          "qwen3_moe_3l_pp2ep2": ("qwen3_moe_3l", (1, 2, None, 2))}
 PROMPTS = [[5, 17, 33, 8, 90], [44, 2, 61, 7, 19, 23, 120, 3, 77], [12, 9, 200]]
+# Engines spanning ranks, laid over the 4 ranks by the engine placement, two syncs each:
+# name -> (model, trainer layout, engine GPUs, experts split over them)
+ENGINE_SYNCS = {"qwen3_pp2_to_engine_tp2": ("qwen3", (1, 2), 2, False),
+                "qwen3_moe_ep4_to_engine_tp2ep2": ("qwen3_moe", (1, 1, None, 4), 2, True),
+                "qwen3_moe_tp2ep2_to_engine_tp2": ("qwen3_moe", (2, 1, None, 2), 2, False)}
 
 
 def broadcast_logits(logits, shape):
@@ -170,6 +178,27 @@ def sync_parity(root: Path, results: dict) -> None:
         results[f"sync_buckets/{label}"] = stats["buckets"]
 
 
+def engine_sync_parity(root: Path, results: dict) -> None:
+    """Engine log-probs equal the trainer's after each of two syncs (the trainer moved between
+    them), with the engine split over 2 or 4 ranks as the placement lays it out."""
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    for index, (label, (name, layout, tp, experts)) in enumerate(ENGINE_SYNCS.items()):
+        model, groups, arch = from_hf(root / name, layout, release=index == 0)
+        padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
+        engine = HFGenerator(str(root / name), torch.float32, pad_id=0, eos_id=1,
+                             slot=place_engines(tp), expert_parallel=experts)
+        sync = WeightSync(model, arch, groups, padded, 64 * 2 ** 10)
+        results[f"engine_sync_before/{label}"] = max_over_world(
+            gap(model, groups, arch, engine.generate(PROMPTS, params)))
+        for attempt in (1, 2):
+            perturb(model)
+            sync.sync(engine.load_weights)
+            results[f"engine_sync/{label}/{attempt}"] = max_over_world(
+                gap(model, groups, arch, engine.generate(PROMPTS, params)))
+        whole = sum(p.numel() for p in engine.model.parameters())  # DTensor: the full size
+        results[f"engine_share/{label}"] = engine.resident_bytes() / (4 * whole)
+
+
 def main() -> None:
     root, workdir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     init_distributed()
@@ -178,6 +207,7 @@ def main() -> None:
     checkpoint_reshard(root, workdir, results)
     uneven_checkpoint(root, workdir, results)
     sync_parity(root, results)
+    engine_sync_parity(root, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
     dist.barrier()

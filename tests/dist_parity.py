@@ -60,15 +60,18 @@ def release_groups() -> None:
         dist.destroy_process_group(group)
 
 
-def layout_groups(layout: tuple, shape):
-    """The groups of ``layout`` (``ParallelLayout``'s positional fields), the previous ones freed."""
-    release_groups()
+def layout_groups(layout: tuple, shape, release: bool = True):
+    """The groups of ``layout`` (``ParallelLayout``'s positional fields), the previous ones freed
+    unless ``release`` is False (a DTensor engine's mesh over the same ranks, made after a
+    release, still names the freed groups)."""
+    if release:
+        release_groups()
     return build_parallel_groups(ParallelLayout(*layout), shape)
 
 
-def from_hf(hf_dir, layout):
+def from_hf(hf_dir, layout, release: bool = True):
     arch = read_hf_arch(hf_dir)
-    groups = layout_groups(layout, arch.shape)
+    groups = layout_groups(layout, arch.shape, release)
     padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
     model = build_model(arch, groups, torch.float32, padded)
     load_hf_weights(model, HFReader(hf_dir), arch, groups, padded, progress=False)

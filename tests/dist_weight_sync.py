@@ -22,6 +22,7 @@ from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.models.forward import pipeline_forward  # noqa: E402
 from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
 from megatron_rlhf.rollout.base import SamplingParams  # noqa: E402
+from megatron_rlhf.rollout.engines import place_engines  # noqa: E402
 from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
 from megatron_rlhf.rollout.weight_sync import WeightSync  # noqa: E402
 from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
@@ -37,6 +38,7 @@ SCENARIOS = {
     "tp2_to_gen_tp1": ("qwen2_policy", (2, 1), 1, 512 * 2 ** 20),
     "tp2_to_gen_tp2": ("qwen2_policy", (2, 1), 2, 512 * 2 ** 20),
     "pp2_to_gen_tp1": ("qwen2_policy", (1, 2), 1, 512 * 2 ** 20),
+    "pp2_to_gen_tp2": ("qwen2_policy", (1, 2), 2, 512 * 2 ** 20),
     "tp2_small_bucket": ("qwen2_policy", (2, 1), 1, 4096),  # smaller than most tensors
     "llama_tied_pp2_to_gen_tp1": ("llama_policy", (1, 2), 1, 64 * 2 ** 10),
 }
@@ -77,7 +79,8 @@ def run_scenario(root: Path, model_name: str, layout, gen_tp: int, bucket: int) 
     model, groups, arch = from_hf(root / model_name, layout)
     perturb(model)
     padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
-    engine = HFGenerator(str(root / model_name), torch.float32, pad_id=0, eos_id=1, tp_size=gen_tp)
+    engine = HFGenerator(str(root / model_name), torch.float32, pad_id=0, eos_id=1,
+                         slot=place_engines(gen_tp))
     params = SamplingParams(max_tokens=8, temperature=0.0)
     before = engine.generate(PROMPTS, params)
     resident = engine.resident_bytes()

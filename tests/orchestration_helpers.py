@@ -1,4 +1,5 @@
-"""Worker objects for tests/test_orchestration.py (importable by Ray workers)."""
+"""Worker objects for tests/test_orchestration.py and tests/test_engine_placement.py
+(importable by Ray workers)."""
 
 import os
 import time
@@ -37,3 +38,19 @@ class Echo:
         if dist.get_rank() == victim:
             raise ValueError("bad row 7 in shard 3")
         self.all_reduce(0.0)
+
+
+class Placed:
+    """What a rank learns about where it runs, and its rollout engine slot."""
+
+    def seen(self, tp: int) -> dict:
+        from megatron_rlhf.distributed.engine_placement import engine_groups, rank_places
+        from megatron_rlhf.rollout.engines import place_engines
+
+        slot = place_engines(tp)
+        group = engine_groups(slot)
+        total = torch.tensor([dist.get_rank()])
+        dist.all_reduce(total, group=group)  # the engine's group holds exactly its members
+        return {"places": rank_places(), "slot": slot, "members_sum": int(total),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "local_rank": int(os.environ["LOCAL_RANK"])}

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from megatron_rlhf.config.parallel import check_engine_layout
+from megatron_rlhf.distributed.engine_placement import check_engine_layout
 from megatron_rlhf.errors import UserError
-from megatron_rlhf.orchestration.engine_placement import EngineProcess, Place, engine_processes
+from megatron_rlhf.distributed.engine_placement import EngineProcess, Place, engine_processes
 
 
 def grid(nodes: int, gpus: int) -> list[Place]:
@@ -77,28 +77,6 @@ def _group(name, size, pool=None, share=1):
     return WorkerGroup(name, size, use_gpu=True, pool=pool, share=share)
 
 
-def test_colocated_engines_on_the_trainers_gpus_of_two_nodes(two_nodes):
-    trainers = _group("actor", 8)
-    try:
-        places = trainers.places()
-        assert len({p.node for p in places}) == 2  # four ranks a node
-        assert sorted((p.node, p.gpu) for p in places) == sorted(
-            (node, g) for node in {p.node for p in places} for g in range(4))
-        spanning = engine_processes(places, tp=8)  # one engine over both nodes
-        assert [(p.node_rank, p.nnodes, p.gpus) for p in spanning] == [
-            (0, 2, (0, 1, 2, 3)), (1, 2, (0, 1, 2, 3))]
-        assert spanning[0].node != spanning[1].node
-        per_node = engine_processes(places, tp=4)  # one engine a node
-        assert [p.nnodes for p in per_node] == [1, 1] and {p.node for p in per_node} == {
-            p.node for p in places}
-        # every engine process is a rank on that node holding the lowest of its GPUs
-        for proc in per_node + spanning:
-            mine = places[proc.rank]
-            assert mine.node == proc.node and mine.gpu == min(proc.gpus)
-    finally:
-        trainers.shutdown()
-
-
 def test_separate_engines_get_gpus_of_their_own(two_nodes):
     """Trainers on one node, the rollout pool on the other: its engines use only its GPUs."""
     trainers = _group("actor", 4)
@@ -113,3 +91,60 @@ def test_separate_engines_get_gpus_of_their_own(two_nodes):
     finally:
         rollout.shutdown()
         trainers.shutdown()
+
+
+def _check_colocated(places):
+    """Engines laid over the trainers' GPUs of two nodes (four ranks a node)."""
+    assert len({p.node for p in places}) == 2
+    assert sorted((p.node, p.gpu) for p in places) == sorted(
+        (node, g) for node in {p.node for p in places} for g in range(4))
+    spanning = engine_processes(places, tp=8)  # one engine over both nodes
+    assert [(p.node_rank, p.nnodes, p.gpus) for p in spanning] == [
+        (0, 2, (0, 1, 2, 3)), (1, 2, (0, 1, 2, 3))]
+    assert spanning[0].node != spanning[1].node
+    per_node = engine_processes(places, tp=4)  # one engine a node
+    assert [p.nnodes for p in per_node] == [1, 1] and {p.node for p in per_node} == {
+        p.node for p in places}
+    # every engine process is a rank on that node holding the lowest of its GPUs
+    for proc in per_node + spanning:
+        mine = places[proc.rank]
+        assert mine.node == proc.node and mine.gpu == min(proc.gpus)
+
+
+def test_colocated_engine_ranks_see_their_nodes_gpus_and_agree_on_the_placement(two_nodes):
+    """An engine of 8 over both nodes: its ranks (Ray showing each the node's GPUs) find the
+    same places as the driver, one engine group of all 8, the head on node rank 0's lowest GPU;
+    without ``node_gpus`` Ray shows each rank its own GPU only."""
+    from tests.orchestration_helpers import Placed
+
+    from megatron_rlhf.orchestration.worker_group import WorkerGroup
+
+    group = WorkerGroup("engine", 8, use_gpu=True, node_gpus=True)
+    try:
+        group.build(Placed)
+        seen = group.call(Placed.seen, 8)
+        driver = group.places()
+        nodes = {p.node for p in driver}
+        _check_colocated(driver)
+        for rank, s in enumerate(seen):
+            assert [(p.node, p.gpu) for p in s["places"]] == [(p.node, p.gpu) for p in driver]
+            assert s["visible"] is None  # every GPU of the node (Ray set no mask)
+            assert s["local_rank"] == driver[rank].gpu  # its own GPU, as a device index
+            slot = s["slot"]
+            assert (slot.index, slot.count, slot.tp, s["members_sum"]) == (0, 1, 8, 28)
+            assert [(p.nnodes, p.node_rank) for p in slot.processes] == [(2, 0), (2, 1)]
+            assert (slot.process is not None) == (driver[rank].gpu == 0)
+        head = driver[seen[0]["slot"].head]
+        assert head.gpu == 0 and head.node == seen[0]["slot"].processes[0].node
+        assert {p.node for p in seen[0]["slot"].processes} == nodes
+    finally:
+        group.shutdown()
+    group = WorkerGroup("masked", 4, use_gpu=True)
+    try:
+        group.build(Placed)
+        seen = group.call(Placed.seen, 2)
+        assert [s["visible"] for s in seen] == [str(p.gpu) for p in group.places()]
+        assert {s["local_rank"] for s in seen} == {0}
+        assert sorted(s["slot"].index for s in seen) == [0, 0, 1, 1]
+    finally:
+        group.shutdown()

@@ -206,20 +206,27 @@ def test_guard_without_checkpoint_stops_cleanly(workspace, tmp_path):
     assert "no checkpoint to roll back to" in stderr
 
 
-def test_tp2_matches_tp1_with_greedy_rollouts(workspace, tmp_path):
+def test_tp2_and_an_engine_over_two_pp_ranks_match_tp1_with_greedy_rollouts(workspace, tmp_path):
+    """TP=2 (two one-rank engines), and PP=2 feeding one rollout engine split over both ranks
+    (rollout.tp=2, laid out by the engine placement): the same run as one rank."""
+    layouts = {"tp1": ("actor.parallel.tp=1", "trainer.n_gpus_per_node=1"),
+               "tp2": ("actor.parallel.tp=2", "trainer.n_gpus_per_node=2"),
+               "pp2_engine_tp2": ("actor.parallel.pp=2", "trainer.n_gpus_per_node=2",
+                                  "rollout.tp=2")}
     runs = {}
-    for tp in (1, 2):
-        out = tmp_path / f"tp{tp}"
+    for name, layout in layouts.items():
+        out = tmp_path / name
         args = overrides(workspace, out, "trainer.max_steps=2", "rollout.temperature=0",
-                         f"actor.parallel.tp={tp}", f"trainer.n_gpus_per_node={tp}",
-                         "trainer.eval_every_steps=0", "trainer.val_before_train=false")
+                         "trainer.eval_every_steps=0", "trainer.val_before_train=false", *layout)
         code, stdout, stderr = finish(ppo(args))
         assert code == 0, stdout[-3000:] + stderr[-3000:]
-        runs[tp] = [r for r in metrics(out) if "actor/pg_loss" in r]
-    for a, b in zip(runs[1], runs[2]):
-        for key in ("actor/pg_loss", "actor/kl", "critic/vf_loss", "reward/score_mean",
-                    "actor/entropy"):
-            assert abs(a[key] - b[key]) < 1e-4, (key, a[key], b[key])
+        runs[name] = [r for r in metrics(out) if "actor/pg_loss" in r]
+    for other in ("tp2", "pp2_engine_tp2"):
+        assert len(runs[other]) == len(runs["tp1"]) == 2
+        for a, b in zip(runs["tp1"], runs[other]):
+            for key in ("actor/pg_loss", "actor/kl", "critic/vf_loss", "reward/score_mean",
+                        "actor/entropy"):
+                assert abs(a[key] - b[key]) < 1e-4, (other, key, a[key], b[key])
 
 
 def test_bad_config_is_one_clear_line(workspace, tmp_path):

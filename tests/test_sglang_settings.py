@@ -32,13 +32,19 @@ def test_every_sample_of_every_replica_has_a_seed_of_its_own():
 
 
 def test_engine_arguments_come_from_the_config():
-    cfg = RolloutConfig(backend="sglang", tp=2, gpu_memory_utilization=0.6, seed=3,
-                        deterministic=True, engine_args={"ep_size": 2})
+    cfg = RolloutConfig(backend="sglang", tp=2, ep=2, gpu_memory_utilization=0.6, seed=3,
+                        deterministic=True, engine_args={"enable_dp_attention": True})
     args = engine_args(cfg, "/models/x", "bfloat16", 4)
     assert args == {"model_path": "/models/x", "tp_size": 2, "dtype": "bfloat16",
                     "load_format": "dummy", "enable_memory_saver": True,
                     "mem_fraction_static": 0.6, "base_gpu_id": 4, "random_seed": 3,
-                    "enable_deterministic_inference": True, "ep_size": 2}
+                    "enable_deterministic_inference": True, "ep_size": 2,
+                    "enable_dp_attention": True}
+    # The second node's process of an engine over two nodes
+    spanning = engine_args(RolloutConfig(backend="sglang", tp=16), "/m", "bfloat16", 0,
+                           nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert (spanning["tp_size"], spanning["nnodes"], spanning["node_rank"],
+            spanning["dist_init_addr"]) == (16, 2, 1, "10.0.0.1:5000")
     assert "enable_deterministic_inference" not in engine_args(RolloutConfig(), "/m", "bf16", 0)
     params = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=0,
                             stop_token_ids=[5], seed=1)
@@ -64,14 +70,17 @@ def test_the_names_we_set_are_the_pinned_sglangs():
      "rollout.engine_args sets random_seed, tp_size, which the rollout backend sets"),
     (RolloutConfig(engine_args={"ep_size": 4}),
      "rollout.engine_args applies to rollout.backend=sglang only (the backend is hf)"),
+    (RolloutConfig(backend="sglang", tp=4, engine_args={"ep_size": 4}),
+     "rollout.engine_args sets ep_size, which the rollout backend sets from the config itself "
+     "(rollout.tp, rollout.ep"),
     (RolloutConfig(deterministic=True),
      "rollout.deterministic applies to rollout.backend=sglang only"),
 ])
 def test_a_setting_sglang_does_not_know_is_one_line(cfg, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_sglang_settings(cfg)
-    check_sglang_settings(RolloutConfig(backend="sglang", engine_args={"ep_size": 4},
-                                        deterministic=True))
+    check_sglang_settings(RolloutConfig(backend="sglang", deterministic=True, engine_args={
+        "enable_dp_attention": True, "dp_size": 2}))
 
 
 def test_an_unknown_engine_argument_stops_ppo_before_anything_starts(tmp_path):

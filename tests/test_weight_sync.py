@@ -1,4 +1,5 @@
-"""Resharding weight sync: trainer TP2 -> engine TP1/TP2, PP2 -> TP1, tiny buckets, tied PP2.
+"""Resharding weight sync: trainer TP2 -> engine TP1/TP2, PP2 -> engine TP1/TP2 (an engine
+spanning both ranks), tiny buckets, tied PP2.
 
 The engine's log-probs of its own greedy tokens must equal the trainer's (fp32, 1e-5) after one
 sync, and be far from them before it (the engine starts with random weights).
@@ -21,14 +22,15 @@ def sync_results(tiny_models, tmp_path_factory):
 
 
 @pytest.mark.parametrize("scenario", ["tp2_to_gen_tp1", "tp2_to_gen_tp2", "pp2_to_gen_tp1",
-                                      "tp2_small_bucket", "llama_tied_pp2_to_gen_tp1"])
+                                      "pp2_to_gen_tp2", "tp2_small_bucket",
+                                      "llama_tied_pp2_to_gen_tp1"])
 def test_engine_logprobs_match_trainer_after_sync(sync_results, scenario):
     result = sync_results[scenario]
     assert 0 <= result["max_abs_diff"] < 1e-5
     assert result["diff_before_sync"] > 1e-2  # the comparison can fail
 
 
-@pytest.mark.parametrize("scenario", ["tp2_to_gen_tp1", "tp2_to_gen_tp2"])
+@pytest.mark.parametrize("scenario", ["tp2_to_gen_tp1", "tp2_to_gen_tp2", "pp2_to_gen_tp2"])
 def test_engine_releases_its_weights(sync_results, scenario):
     result = sync_results[scenario]
     assert result["resident_bytes"] > 100_000 and result["released_bytes"] == 0

@@ -228,11 +228,13 @@ def _engines(hf_dir: Path, device: str):
              for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32))]
     if device == "cuda" and importlib.util.find_spec("sglang") is not None:
         from megatron_rlhf.config.ppo_schema import RolloutConfig
+        from megatron_rlhf.rollout.engines import place_engines
         from megatron_rlhf.rollout.sglang_engine import SGLangGenerator
 
         config = RolloutConfig(backend="sglang", tp=1, gpu_memory_utilization=0.3)
         found.append(("sglang_bf16", torch.bfloat16,
-                      lambda: SGLangGenerator(str(hf_dir), config, torch.bfloat16, eos_id=1)))
+                      lambda: SGLangGenerator(str(hf_dir), config, torch.bfloat16, eos_id=1,
+                                              slot=place_engines(1))))
     return found
 
 

@@ -96,18 +96,3 @@ def check_parallel_for_model(prefix: str, parallel: ParallelConfig, arch: ModelA
             raise UserError(f"config: {prefix}.recompute_num_layers={parallel.recompute_num_layers} "
                             f"exceeds the {per_stage} layers of a pipeline stage")
 
-
-def check_engine_layout(tp: int, gpus_per_node: int, nnodes: int, what: str = "rollout.tp") -> None:
-    """One line naming what is wrong with rollout engines of ``tp`` GPUs on ``nnodes`` nodes of
-    ``gpus_per_node`` GPUs: an engine covers a slice of one node or whole nodes (SGLang runs one
-    process per node of an engine), and fits the job."""
-    total = gpus_per_node * nnodes
-    if tp > total:
-        raise UserError(f"config: {what}={tp}: an engine larger than the job's {total} GPUs "
-                        f"({nnodes} node(s) x {gpus_per_node})")
-    if tp <= gpus_per_node and gpus_per_node % tp:
-        raise UserError(f"config: {what}={tp} does not divide the {gpus_per_node} GPUs of a node "
-                        "(an engine would straddle two nodes)")
-    if tp > gpus_per_node and tp % gpus_per_node:
-        raise UserError(f"config: {what}={tp} spans nodes but is not a whole number of nodes of "
-                        f"{gpus_per_node} GPUs")

@@ -8,10 +8,11 @@ from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
 from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
 from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
-from megatron_rlhf.config.parallel import check_engine_layout, check_parallel
+from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.config.sglang import check_sglang_settings
 from megatron_rlhf.config.stopping import check_stop_settings
+from megatron_rlhf.distributed.engine_placement import check_engine_layout
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.monitoring import logger_kinds
 
@@ -108,10 +109,11 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
         check_positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
     check_sglang_settings(r)
-    if r.backend == "sglang" and r.tp > 1:
-        # Ray shows each worker one GPU; an SGLang engine spanning several needs them all.
-        raise UserError(f"config: rollout.tp={r.tp} with rollout.backend=sglang is not supported "
-                        "yet (each Ray worker sees one GPU); use rollout.tp=1")
+    check_positive("rollout.ep", r.ep)
+    if r.tp % r.ep or (r.backend == "hf" and r.ep not in (1, r.tp)):
+        allowed = f"1 or rollout.tp={r.tp}" if r.backend == "hf" else f"a divisor of rollout.tp={r.tp}"
+        raise UserError(f"config: rollout.ep={r.ep} must be {allowed} (experts are split over "
+                        f"the GPUs of an engine; backend {r.backend})")
     if t.critic_warmup < 0 or (t.critic_warmup and not estimator(alg.adv_estimator).needs_critic):
         raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
                         f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")

@@ -233,7 +233,13 @@ class RolloutConfig:
     backend: str = "hf"
     """``hf`` (transformers generation with KV cache, CPU or GPU) or ``sglang`` (GPU)."""
     tp: int = 1
-    """Generator tensor-parallel size; generator data-parallel size is world / tp."""
+    """GPUs (ranks) per rollout engine: a divisor of a node's GPUs or whole nodes (an engine over
+    several nodes runs one process a node). Engines are the generator's data parallelism:
+    world / tp of them."""
+    ep: int = 1
+    """MoE models: experts split over this many of an engine's ``tp`` GPUs (SGLang's
+    ``ep_size``; the ``hf`` engine takes 1 or ``tp``). DP-attention and the other SGLang MoE
+    settings go in ``engine_args``."""
     n: int = 1
     """Samples per prompt (GRPO/RLOO need > 1)."""
     temperature: float = 1.0

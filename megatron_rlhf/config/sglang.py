@@ -18,16 +18,24 @@ from megatron_rlhf.errors import UserError
 # never share a seed.
 SEED_STRIDE = 2 ** 20
 # Arguments the backend sets itself; rollout.engine_args may not override them.
-OURS = ("model_path", "tp_size", "dtype", "load_format", "enable_memory_saver",
-        "mem_fraction_static", "base_gpu_id", "random_seed", "enable_deterministic_inference")
+OURS = ("model_path", "tp_size", "ep_size", "dtype", "load_format", "enable_memory_saver",
+        "mem_fraction_static", "base_gpu_id", "random_seed", "enable_deterministic_inference",
+        "nnodes", "node_rank", "dist_init_addr")
 
 
-def engine_args(cfg, hf_dir: str, dtype: str, gpu: int) -> dict:
-    """Keyword arguments of ``sglang.Engine`` for the ``rollout`` config ``cfg``."""
+def engine_args(cfg, hf_dir: str, dtype: str, gpu: int, nnodes: int = 1, node_rank: int = 0,
+                dist_init_addr: str | None = None) -> dict:
+    """Keyword arguments of ``sglang.Engine`` for the ``rollout`` config ``cfg``: the process of
+    an engine on node ``node_rank`` of its ``nnodes``, driving GPUs from ``gpu`` on; an engine
+    over several nodes meets at ``dist_init_addr`` (host:port of its first process)."""
     args = {"model_path": hf_dir, "tp_size": cfg.tp, "dtype": dtype,
             "load_format": "dummy",  # real weights arrive with the first sync
             "enable_memory_saver": True, "mem_fraction_static": cfg.gpu_memory_utilization,
             "base_gpu_id": gpu, "random_seed": cfg.seed}
+    if cfg.ep > 1:
+        args["ep_size"] = cfg.ep
+    if nnodes > 1:
+        args.update(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
     if cfg.deterministic:
         args["enable_deterministic_inference"] = True
     return {**args, **dict(cfg.engine_args)}
@@ -75,7 +83,7 @@ def check_sglang_settings(cfg) -> None:
     taken = sorted(set(cfg.engine_args) & set(OURS))
     if taken:
         raise UserError(f"config: rollout.engine_args sets {', '.join(taken)}, which the rollout "
-                        "backend sets from the config itself (rollout.tp, "
+                        "backend sets from the config itself (rollout.tp, rollout.ep, the placement, "
                         "rollout.gpu_memory_utilization, rollout.seed, rollout.deterministic)")
     version, server, sampling = known_names()
     unknown = sorted(set(engine_args(cfg, "", "bfloat16", 0)) - server)

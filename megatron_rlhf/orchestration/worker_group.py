@@ -41,9 +41,13 @@ def _worker_class():
             from megatron_rlhf.distributed.launch import init_distributed, quiet_cpu_warnings
 
             quiet_cpu_warnings()
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
-                              LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0],
-                              MASTER_PORT=str(master[1]), OMP_NUM_THREADS=str(threads))
+            node, gpus = self.place()
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                              LOCAL_RANK=str(_local_device(gpus)), LOCAL_WORLD_SIZE="1",
+                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]),
+                              OMP_NUM_THREADS=str(threads), MRLHF_NODE=node,
+                              MRLHF_NODE_IP=self.address()[0],
+                              MRLHF_GPU=str(gpus[0]) if gpus else "")
             torch.set_num_threads(threads)
             return init_distributed().rank
 
@@ -56,6 +60,9 @@ def _worker_class():
         def pid(self) -> int:
             return os.getpid()
 
+        def environ(self, name: str) -> str | None:
+            return os.environ.get(name)
+
         def place(self) -> tuple[str, list[int]]:
             """(Ray node id, the GPU ids Ray gave this rank: declared ones on CPU too)."""
             import ray as _ray
@@ -64,6 +71,22 @@ def _worker_class():
             return _ray.get_runtime_context().get_node_id(), ids
 
     return RankActor
+
+
+# Ray hides every GPU but a worker's own unless this is set in the worker's environment; a
+# rollout engine process spanning several GPUs of a node must see them all.
+SEE_NODE_GPUS = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def _local_device(gpus: list[int]) -> int:
+    """The CUDA device index of this worker's GPU: 0 when Ray made it the only visible one, else
+    its position among the node's visible GPUs (Ray's ids are the node's, e.g. Slurm's 4-7)."""
+    if not gpus or os.environ.get(SEE_NODE_GPUS) != "1":
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return visible.split(",").index(str(gpus[0]))
+    return gpus[0]
 
 
 class ResourcePool:
@@ -96,7 +119,9 @@ class WorkerGroup:
     """``world_size`` ranks, one per bundle of a :class:`ResourcePool` (its own unless given)."""
 
     def __init__(self, name: str, world_size: int, use_gpu: bool, threads_per_rank: int = 1,
-                 pool: ResourcePool | None = None, share: int = 1):
+                 pool: ResourcePool | None = None, share: int = 1, node_gpus: bool = False):
+        """``node_gpus``: every rank sees all GPUs of its node (its own is its LOCAL_RANK), as
+        the process of a rollout engine spanning them needs."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.world_size = name, world_size
@@ -109,8 +134,10 @@ class WorkerGroup:
         # Groups sharing a pool take a fraction of each device: Ray packs them onto the same
         # GPUs (their engines release memory between phases), or the same CPU slots.
         fraction = 1.0 / share
+        env = {"env_vars": {SEE_NODE_GPUS: "1"}} if node_gpus else None
         self.actors = [
             actor.options(num_cpus=fraction, num_gpus=fraction if use_gpu else 0, max_restarts=0,
+                          runtime_env=env,
                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                               placement_group=self.pool.placement, placement_group_bundle_index=i),
                           ).remote()
@@ -151,12 +178,12 @@ class WorkerGroup:
         return ray.get(refs)
 
     def places(self):
-        """Where each rank runs (:class:`~megatron_rlhf.orchestration.engine_placement.Place`,
+        """Where each rank runs (:class:`~megatron_rlhf.distributed.engine_placement.Place`,
         rank order): its node and its GPU there; a rank without a GPU counts as its node's
         next slot, in rank order."""
         import ray
 
-        from megatron_rlhf.orchestration.engine_placement import Place
+        from megatron_rlhf.distributed.engine_placement import Place
 
         found, slots = [], {}
         for rank, (node, gpus) in enumerate(ray.get([a.place.remote() for a in self.actors])):

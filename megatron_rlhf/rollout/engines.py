@@ -1,5 +1,5 @@
-"""Pick a rollout backend from the ``rollout`` config section, and place generator replicas on
-the ranks of a worker group."""
+"""Pick a rollout backend from the ``rollout`` config section, and lay its engines over the ranks
+of a worker group (:mod:`megatron_rlhf.distributed.engine_placement`)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,32 @@ import torch
 from megatron_rlhf.config.ppo_schema import RolloutConfig
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import platform_is_cpu
+from megatron_rlhf.distributed.engine_placement import EngineSlot, engine_slots, rank_places
 
 
-def generator_rank(rank: int, world_size: int, tp: int) -> tuple[int, int, bool]:
-    """(generator DP rank, generator DP size, whether this rank returns the replica's output).
+def place_engines(tp: int) -> EngineSlot:
+    """This rank's slot in engines of ``tp`` GPUs over the whole world (collective)."""
+    import torch.distributed as dist
 
-    A replica is ``tp`` consecutive ranks; its first rank reports.
-    """
-    if world_size % tp:
-        raise ValueError(f"rollout.tp={tp} does not divide the worker group's {world_size} ranks")
-    return rank // tp, world_size // tp, rank % tp == 0
+    return engine_slots(rank_places(), tp)[dist.get_rank()]
 
 
 def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
                    groups: ParallelGroups):
-    """A generator replica for this rank (weights arrive with the first weight sync)."""
+    """This rank's part of a generator engine (weights arrive with the first weight sync); its
+    ``slot`` says which engine and whether this rank reports the engine's samples."""
+    slot = place_engines(cfg.tp)
     if cfg.backend == "hf":
         from megatron_rlhf.rollout.hf_engine import HFGenerator
 
         device = "cpu" if platform_is_cpu() else f"cuda:{torch.cuda.current_device()}"
-        return HFGenerator(hf_dir, dtype, pad_id, eos_id, device=device, tp_size=cfg.tp)
-    if cfg.backend == "sglang":
+        engine = HFGenerator(hf_dir, dtype, pad_id, eos_id, device=device, slot=slot,
+                             expert_parallel=cfg.ep > 1)
+    elif cfg.backend == "sglang":
         from megatron_rlhf.rollout.sglang_engine import SGLangGenerator
 
-        return SGLangGenerator(hf_dir, cfg, dtype, eos_id)
-    raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or sglang")
+        engine = SGLangGenerator(hf_dir, cfg, dtype, eos_id, slot)
+    else:
+        raise ValueError(f"rollout.backend={cfg.backend!r}: choose hf or sglang")
+    engine.slot = slot
+    return engine

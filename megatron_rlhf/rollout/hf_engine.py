@@ -21,20 +21,22 @@ _EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
 class HFGenerator:
-    """One generator replica. With ``tp_size > 1`` the replica spans the ranks of the calling
-    torch.distributed world (transformers' tensor parallelism over DTensor; gloo on CPU), and
-    every rank of it must make the same calls with the same prompts."""
+    """One rank's part of a generator engine. With an engine ``slot`` of several ranks (engines
+    laid over the world by :mod:`~megatron_rlhf.distributed.engine_placement`), the engine is
+    transformers' tensor parallelism over DTensor across those ranks (gloo on CPU), experts
+    split over them too with ``expert_parallel``; every rank of an engine must make the same
+    calls with the same prompts."""
 
     def __init__(self, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
-                 device: str = "cpu", max_batch: int = 256, tp_size: int = 1):
+                 device: str = "cpu", max_batch: int = 256, slot=None,
+                 expert_parallel: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-        if tp_size == 1:
-            with torch.device(device):
-                self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        else:
-            self.model = _tensor_parallel_model(config, dtype, tp_size)
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        if slot is not None and slot.tp > 1:
+            self.model = _tensor_parallel(self.model, slot, expert_parallel, device)
         self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
         self._params = dict(self.model.named_parameters())
         self._shapes = {n: _local(p).shape for n, p in self._params.items()}
@@ -42,6 +44,8 @@ class HFGenerator:
         # Weights that are buffers (DeepSeek-V3's e_score_correction_bias): small, kept resident.
         self._buffers = {n: b for n, b in self.model.named_buffers() if n in state}
         self._tied = {n for n in state if n not in self._params and n not in self._buffers}
+        # Sharded fused expert tensors being assembled from per-expert ones: name -> (full, seen)
+        self._assembling: dict[str, list] = {}
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take each tensor's values. A contiguous tensor of the right dtype and device is adopted
@@ -72,15 +76,23 @@ class HFGenerator:
     def _load_expert(self, name: str, tensor: torch.Tensor) -> bool:
         """A checkpoint's per-expert tensor into transformers' fused expert parameters
         (``experts.gate_up_proj [E, 2I, H]`` holds gate then up; ``experts.down_proj [E, H, I]``);
-        False when ``name`` is no such tensor."""
+        False when ``name`` is no such tensor. A sharded fused parameter is assembled whole
+        (one layer's experts at most), then this rank keeps its shard."""
         match = _EXPERT.fullmatch(name)
         if match is None:
             return False
         prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
-        fused = self._params.get(f"{prefix}.{'down_proj' if kind == 'down' else 'gate_up_proj'}")
-        if fused is None or _is_dtensor(fused):
+        fused_name = f"{prefix}.{'down_proj' if kind == 'down' else 'gate_up_proj'}"
+        fused = self._params.get(fused_name)
+        if fused is None:
             return False
-        target = fused[expert]
+        sharded = _is_dtensor(fused)
+        if sharded:
+            entry = self._assembling.setdefault(
+                fused_name, [torch.empty(fused.shape, dtype=fused.dtype, device=tensor.device), 0])
+            target = entry[0][expert]
+        else:
+            target = fused[expert]
         if kind != "down":
             half = target.shape[0] // 2
             target = target[:half] if kind == "gate" else target[half:]
@@ -88,10 +100,15 @@ class HFGenerator:
             raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the engine "
                              f"expects {tuple(target.shape)}")
         target.copy_(tensor)
+        if sharded:
+            entry[1] += 1
+            if entry[1] == fused.shape[0] * (1 if kind == "down" else 2):
+                _local(fused).copy_(_local_shard(fused, entry[0]))
+                del self._assembling[fused_name]
         return True
 
     def release_memory(self) -> None:
-        """Drop the weight storage (this rank's shard of each DTensor with ``tp_size > 1``)."""
+        """Drop the weight storage (this rank's shard of each DTensor in an engine of several ranks)."""
         for param in self._params.values():
             _storage_holder(param).data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._released = True
@@ -205,43 +222,35 @@ def _storage_holder(param) -> torch.Tensor:
 
 
 def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``full`` for a DTensor parameter (Shard(d) cuts like ``chunk``)."""
+    """This rank's piece of ``full`` for a DTensor parameter, cut as its placements cut it
+    (strided shards of packed gate/up included); no communication: every rank holds ``full``."""
     if not _is_dtensor(param):
         return full
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import distribute_tensor
 
-    piece = full
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            size = param.device_mesh.size(mesh_dim)
-            coordinate = param.device_mesh.get_coordinate()[mesh_dim]
-            piece = piece.chunk(size, dim=placement.dim)[coordinate]
-    return piece
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None).to_local()
 
 
-def _tensor_parallel_model(config, dtype: torch.dtype, tp_size: int):
-    """transformers' TP plan over the running world: it loads through ``from_pretrained``, so a
-    randomly initialised copy is written once to a scratch folder (the weight sync that always
-    follows replaces every value)."""
-    import tempfile
-
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
+def _tensor_parallel(model, slot, expert_parallel: bool, device: str):
+    """``model`` split over the ranks of its engine with transformers' TP plan (and its EP plan
+    with ``expert_parallel``). The meshes cover every engine of the world, one row each (a mesh
+    is made by all ranks together); each rank keeps its engine's row."""
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers.distributed import DistributedConfig
+    from transformers.distributed.utils import TransformersDeviceMesh
 
-    if dist.get_world_size() != tp_size:
-        raise ValueError(f"the hf rollout backend supports rollout.tp = 1 or the worker group's "
-                         f"world size ({dist.get_world_size()}), not {tp_size}")
-    box = [tempfile.mkdtemp(prefix="mrlhf_tp_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    if dist.get_rank() == 0:
-        AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(box[0])
-    dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(
-        box[0], dtype=dtype, distributed_config=DistributedConfig(tp_size=tp_size)).eval()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        import shutil
+    from megatron_rlhf.distributed.engine_placement import engine_grid
 
-        shutil.rmtree(box[0], ignore_errors=True)
-    return model
+    grid = engine_grid(slot)
+    if len({len(r) for r in grid}) != 1:
+        raise ValueError(f"hf rollout engines of different sizes: {grid}")
+    shape = (len(grid), 1, 1, 1, slot.tp)
+    kind = torch.device(device).type
+    mesh = lambda names: DeviceMesh(kind, torch.tensor(grid).view(shape),  # noqa: E731
+                                    mesh_dim_names=("engine", *names))
+    dense, experts = mesh(("pp", "dp_replicate", "fsdp", "tp")), mesh(("pp", "dp_replicate", "efsdp", "ep"))
+    config = DistributedConfig(tp_size=slot.tp, ep_size=slot.tp if expert_parallel else None)
+    meshes = TransformersDeviceMesh(dense["pp", "dp_replicate", "fsdp", "tp"],
+                                    experts["pp", "dp_replicate", "efsdp", "ep"])
+    return type(model).maybe_distribute_model(model, config, meshes).eval()

@@ -1,55 +1,80 @@
 """The ``sglang`` rollout backend (GPU only; ``pip install -e .[gpu]``).
 
-The first rank of each generator replica starts an in-process ``sglang.Engine`` with
-``tp_size=rollout.tp`` (SGLang shards the full HF tensors it is given itself); the other ranks of
-the replica only take part in the weight sync. Weights arrive through
-``update_weights_from_tensor`` bucket by bucket; ``release_memory_occupation`` frees the KV cache
-and weights while the trainer runs. Engine arguments and per-sample sampling parameters come
-from :mod:`megatron_rlhf.config.sglang` (checked against SGLang's names at start-up). Not
-runnable on CPU: SGLang needs CUDA.
+An engine of ``rollout.tp`` GPUs runs one ``sglang.Engine`` process a node
+(:mod:`~megatron_rlhf.distributed.engine_placement`): the worker rank on the lowest of the
+engine's GPUs there starts it with ``tp_size=rollout.tp`` from that GPU on (its worker group sees
+the node's GPUs); an engine over several nodes meets at its first process's address
+(``nnodes``, ``node_rank``, ``dist_init_addr``). That first process takes the requests.
+
+Weights: every worker rank on the engine's GPUs holds each bucket's full HF tensors on its own
+GPU after the resharding sync; it hands SGLang's TP rank on that GPU a CUDA-IPC handle to them
+(``MultiprocessingSerializer``), the engine's first rank gathers one handle per TP rank, in SGLang's
+TP-rank order, and submits them as one ``update_weights_from_tensor``: no tensor crosses GPUs.
+``release_memory_occupation`` frees the KV cache and weights while the trainer runs. Engine
+arguments and per-sample sampling parameters come from :mod:`megatron_rlhf.config.sglang`.
+Not runnable on CPU: SGLang needs CUDA.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf.config.ppo_schema import RolloutConfig
 from megatron_rlhf.config.sglang import engine_args, sampling_args
+from megatron_rlhf.distributed.engine_placement import EngineSlot, engine_groups, engine_addresses
 from megatron_rlhf.rollout.base import Generation, SamplingParams
 
 
 class SGLangGenerator:
-    def __init__(self, hf_dir: str, cfg: RolloutConfig, dtype: torch.dtype, eos_id: int):
-        import torch.distributed as dist
-
-        self.cfg, self.engine, self._released, self.eos_ids = cfg, None, False, {eos_id}
-        if dist.get_rank() % cfg.tp == 0:
+    def __init__(self, hf_dir: str, cfg: RolloutConfig, dtype: torch.dtype, eos_id: int,
+                 slot: EngineSlot):
+        self.cfg, self.slot, self.engine, self._released, self.eos_ids = cfg, slot, None, False, {eos_id}
+        self.is_head = dist.get_rank() == slot.head
+        self.group = engine_groups(slot)  # collective: every rank makes every engine's group
+        address = engine_addresses(slot)  # collective
+        proc = slot.process
+        if proc is not None:
             import sglang
 
+            if proc.node_rank > 0:  # SGLang's Python API must not block in a follower node
+                os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
             self.engine = sglang.Engine(**engine_args(
-                cfg, hf_dir, str(dtype).removeprefix("torch."), torch.cuda.current_device()))
+                cfg, hf_dir, str(dtype).removeprefix("torch."), local_gpu(min(proc.gpus)),
+                proc.nnodes, proc.node_rank, address))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        if self.engine is not None:
-            result = self.engine.update_weights_from_tensor(named_tensors=list(named_tensors))
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        payload = MultiprocessingSerializer.serialize(list(named_tensors))
+        payloads = gather_in_member_order(payload, self.slot, self.group)
+        if self.is_head:
+            request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads,
+                                                      flush_cache=True)
+            result = self.engine.loop.run_until_complete(
+                self.engine.tokenizer_manager.update_weights_from_tensor(request, None))
             if isinstance(result, tuple) and not result[0]:  # (success, message)
                 raise RuntimeError(f"sglang rejected the weight update: {result[1]}")
+        # The tensors behind the handles stay alive until every TP rank has read them.
+        dist.barrier(group=self.group)
 
     def release_memory(self) -> None:
-        if self.engine is not None and not self._released:
+        if self.is_head and not self._released:
             self.engine.release_memory_occupation()
             self._released = True
 
     def resume_memory(self) -> None:
         # SGLang fails to resume what it never released (the first sync after start-up).
-        if self.engine is not None and self._released:
+        if self.is_head and self._released:
             self.engine.resume_memory_occupation()
             self._released = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        if self.engine is None or not prompts:  # SGLang rejects an empty batch
+        if not self.is_head or not prompts:  # SGLang rejects an empty batch
             return []
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         stops = {*params.stop_token_ids, *self.eos_ids}
@@ -66,3 +91,24 @@ class SGLangGenerator:
                         or bool(tokens) and tokens[-1] in stops)
             result.append(Generation(row, tokens, logprobs, finished))
         return result
+
+
+def local_gpu(gpu: int) -> int:
+    """A node's GPU id as a CUDA device index of this process: Ray's ids are the node's (Slurm
+    may have given the node GPUs 4-7); torchrun's and Slurm's local ranks already are indices."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if "MRLHF_NODE" in os.environ and visible:
+        return visible.split(",").index(str(gpu))
+    return gpu
+
+
+def gather_in_member_order(obj, slot: EngineSlot, group) -> list | None:
+    """``obj`` of every rank of the engine, on its head, in ``slot.members`` order (SGLang's TP
+    ranks: node by node, GPU by GPU); None elsewhere."""
+    ranks = dist.get_process_group_ranks(group)
+    found = [None] * len(ranks) if dist.get_rank() == slot.head else None
+    dist.gather_object(obj, found, dst=slot.head, group=group)
+    if found is None:
+        return None
+    by_rank = dict(zip(ranks, found))
+    return [by_rank[r] for r in slot.members]

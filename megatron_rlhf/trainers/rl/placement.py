@@ -156,8 +156,10 @@ def _place_agents(run: RLRun, specs, configs, layouts, sizes, data, use_gpu, thr
             run.pools.append(pool)
         for spec in members:
             c = configs[spec.name]
+            spans = c.rollout.backend == "sglang" and c.rollout.tp > 1
             group = WorkerGroup("actor" if run.single else f"agent-{spec.name}", spec.world_size,
-                                use_gpu, threads, pool=pool, share=len(members))
+                                use_gpu, threads, pool=pool, share=len(members),
+                                node_gpus=use_gpu and spans)
             judge = run.judges.get(c.reward.model_path) if c.reward.model_path else None
             apart = c.resource_pool.critic == "separate"
             agent = PPORun(c, group, judge or group, data.tokenizer, data.train, data.val,

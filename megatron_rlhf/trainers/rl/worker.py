@@ -185,10 +185,8 @@ class PPOWorker:
         memory afterwards (what :meth:`release_rollout` does, without a second call)."""
         import torch.distributed as dist
 
-        from megatron_rlhf.rollout.engines import generator_rank
-
-        gen_dp_rank, gen_dp, is_output = generator_rank(dist.get_rank(), self.world_size,
-                                                        self.config.rollout.tp)
+        slot = self.generator.slot
+        gen_dp_rank, gen_dp, is_output = slot.index, slot.count, dist.get_rank() == slot.head
         if self._released:  # memory given back since the last sync: reload the current weights
             self.sync_weights()
         mine = prompts[dp_slice(len(prompts), gen_dp, gen_dp_rank)]
