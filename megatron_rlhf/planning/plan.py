@@ -129,7 +129,8 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
     return terms, params
 
 
-def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[str]]:
+def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[str], bool]:
+    """(bytes per GPU, notes, whether the engine's weights fit its SGLang pool)."""
     r = run.rollout
     weights = model_params(arch) * run.param_bytes / r.tp
     kv = kv_bytes_per_token(arch, run.param_bytes, r.tp)
@@ -139,20 +140,20 @@ def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[
         if room <= 0:
             return pool, [f"rollout engine: weights ({weights / GIB:.1f} GiB per GPU at "
                           f"rollout.tp={r.tp}) exceed gpu_memory_utilization={r.memory_fraction}"
-                          f" of the GPU"]
+                          f" of the GPU"], False
         tokens = room / kv
         notes = [f"rollout engine: {weights / GIB:.1f} GiB of weights per GPU (rollout.tp={r.tp}),"
                  f" KV cache for {tokens:,.0f} tokens per engine ({tokens / max(r.seq, 1):,.0f} "
                  f"sequences of {r.seq}, {kv / 1024:.1f} KiB per token per GPU)"]
-        return pool, notes
-    return weights + kv * r.rows * r.seq, []
+        return pool, notes, True
+    return weights + kv * r.rows * r.seq, [], True
 
 
 def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) -> LayoutPlan:
     """Per-GPU bytes of ``layout`` (resolved: dp known) for ``run``: its heaviest stage."""
     stages = layout.stage_layers(arch.num_layers)
     candidates = sorted({0, min(1, layout.pp - 1), layout.pp - 1})  # middle stages are alike
-    engine, notes = (_engine_bytes(arch, run, hw) if run.rollout else (0.0, []))
+    engine, notes, engine_fits = (_engine_bytes(arch, run, hw) if run.rollout else (0.0, [], True))
     best, max_params = None, 0
     for stage in candidates:
         terms, params = _stage_terms(arch, layout, stage, run)
@@ -169,7 +170,9 @@ def evaluate(arch: ModelArch, layout: ParallelLayout, hw: Hardware, run: Run) ->
     total, terms, variants = best
     limit = hw.gpu_mem_gib * GIB
     largest = max(terms, key=terms.get)
-    return LayoutPlan(layout, stages, max_params, terms, total, total <= limit, largest, notes,
+    # An engine whose weights overflow its pool does not start, whatever the total says.
+    return LayoutPlan(layout, stages, max_params, terms, total, total <= limit and engine_fits,
+                      "rollout_engine" if not engine_fits else largest, notes,
                       state_variants=variants)
 
 
@@ -206,8 +209,12 @@ def rank(plans: list[LayoutPlan], hw: Hardware, run: Run) -> list[LayoutPlan]:
     limit = hw.gpu_mem_gib * GIB
     for p in plans:
         spare = (limit - p.total) / GIB
-        head = (f"fits with {spare:.1f} GiB to spare" if p.fits
-                else f"over by {-spare:.1f} GiB, largest term {p.largest}")
+        if p.fits:
+            head = f"fits with {spare:.1f} GiB to spare"
+        elif spare >= 0:  # within the GPU, but the engine's weights overflow its pool
+            head = "the rollout engine's weights do not fit its memory pool (see below)"
+        else:
+            head = f"over by {-spare:.1f} GiB, largest term {p.largest}"
         p.why = (f"{head}; pipeline bubble {bubble(p):.0%} ({micro(p)} micro-batches over "
                  f"pp={p.layout.pp}); tp={p.layout.tp}"
                  + (f", ep={p.layout.ep}" if p.layout.ep > 1 else ""))
