@@ -58,13 +58,13 @@ def test_bad_engine_layouts_are_one_line(tp, gpus, nodes, message):
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A Ray cluster of two nodes with 4 declared GPUs each (two raylets on this machine)."""
+    """A Ray cluster of two nodes with 2 declared GPUs each (two raylets on this machine)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
     cluster = Cluster()
     for _ in range(2):
-        cluster.add_node(num_cpus=4, num_gpus=4, object_store_memory=80 * 2 ** 20)
+        cluster.add_node(num_cpus=2, num_gpus=2, object_store_memory=80 * 2 ** 20)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     yield cluster
     ray.shutdown()
@@ -79,30 +79,31 @@ def _group(name, size, pool=None, share=1):
 
 def test_separate_engines_get_gpus_of_their_own(two_nodes):
     """Trainers on one node, the rollout pool on the other: its engines use only its GPUs."""
-    trainers = _group("actor", 4)
-    rollout = _group("rollout", 4)
+    trainers = _group("actor", 2)
+    rollout = _group("rollout", 2)
     try:
         train_nodes = {p.node for p in trainers.places()}
         places = rollout.places()
         assert len(train_nodes) == 1 and {p.node for p in places}.isdisjoint(train_nodes)
         procs = engine_processes(places, tp=2)
-        assert [p.gpus for p in procs] == [(0, 1), (2, 3)]
+        assert [p.gpus for p in procs] == [(0, 1)]
         assert {p.node for p in procs} == {p.node for p in places}
+        assert [p.gpus for p in engine_processes(places, tp=1)] == [(0,), (1,)]
     finally:
         rollout.shutdown()
         trainers.shutdown()
 
 
 def _check_colocated(places):
-    """Engines laid over the trainers' GPUs of two nodes (four ranks a node)."""
+    """Engines laid over the trainers' GPUs of two nodes (two ranks a node)."""
     assert len({p.node for p in places}) == 2
     assert sorted((p.node, p.gpu) for p in places) == sorted(
-        (node, g) for node in {p.node for p in places} for g in range(4))
-    spanning = engine_processes(places, tp=8)  # one engine over both nodes
+        (node, g) for node in {p.node for p in places} for g in range(2))
+    spanning = engine_processes(places, tp=4)  # one engine over both nodes
     assert [(p.node_rank, p.nnodes, p.gpus) for p in spanning] == [
-        (0, 2, (0, 1, 2, 3)), (1, 2, (0, 1, 2, 3))]
+        (0, 2, (0, 1)), (1, 2, (0, 1))]
     assert spanning[0].node != spanning[1].node
-    per_node = engine_processes(places, tp=4)  # one engine a node
+    per_node = engine_processes(places, tp=2)  # one engine a node
     assert [p.nnodes for p in per_node] == [1, 1] and {p.node for p in per_node} == {
         p.node for p in places}
     # every engine process is a rank on that node holding the lowest of its GPUs
@@ -112,17 +113,17 @@ def _check_colocated(places):
 
 
 def test_colocated_engine_ranks_see_their_nodes_gpus_and_agree_on_the_placement(two_nodes):
-    """An engine of 8 over both nodes: its ranks (Ray showing each the node's GPUs) find the
-    same places as the driver, one engine group of all 8, the head on node rank 0's lowest GPU;
+    """An engine of 4 over both nodes: its ranks (Ray showing each the node's GPUs) find the
+    same places as the driver, one engine group of all 4, the head on node rank 0's lowest GPU;
     without ``node_gpus`` Ray shows each rank its own GPU only."""
     from tests.orchestration_helpers import Placed
 
     from megatron_rlhf.orchestration.worker_group import WorkerGroup
 
-    group = WorkerGroup("engine", 8, use_gpu=True, node_gpus=True)
+    group = WorkerGroup("engine", 4, use_gpu=True, node_gpus=True)
     try:
         group.build(Placed)
-        seen = group.call(Placed.seen, 8)
+        seen = group.call(Placed.seen, 4)
         driver = group.places()
         nodes = {p.node for p in driver}
         _check_colocated(driver)
@@ -131,7 +132,7 @@ def test_colocated_engine_ranks_see_their_nodes_gpus_and_agree_on_the_placement(
             assert s["visible"] is None  # every GPU of the node (Ray set no mask)
             assert s["local_rank"] == driver[rank].gpu  # its own GPU, as a device index
             slot = s["slot"]
-            assert (slot.index, slot.count, slot.tp, s["members_sum"]) == (0, 1, 8, 28)
+            assert (slot.index, slot.count, slot.tp, s["members_sum"]) == (0, 1, 4, 6)
             assert [(p.nnodes, p.node_rank) for p in slot.processes] == [(2, 0), (2, 1)]
             assert (slot.process is not None) == (driver[rank].gpu == 0)
         head = driver[seen[0]["slot"].head]
