@@ -264,8 +264,8 @@ class RolloutConfig:
     its seed, not on what else is in the batch; slower). Every sample has a seed of its own
     (the replica's seed and its index), so a group's samples still differ."""
     engine_args: dict[str, Any] = field(default_factory=dict)
-    """Further SGLang engine arguments by SGLang's own names (``{ep_size: 8,
-    enable_dp_attention: true}``), checked at start-up against the names the pinned SGLang
+    """Further SGLang engine arguments by SGLang's own names (``{enable_dp_attention: true,
+    dp_size: 8}``), checked at start-up against the names the pinned SGLang
     knows; the ones the config sets (tp, memory, seed, deterministic) are not taken here."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
