@@ -206,13 +206,18 @@ def test_guard_without_checkpoint_stops_cleanly(workspace, tmp_path):
     assert "no checkpoint to roll back to" in stderr
 
 
-def test_tp2_and_an_engine_over_two_pp_ranks_match_tp1_with_greedy_rollouts(workspace, tmp_path):
-    """TP=2 (two one-rank engines), and PP=2 feeding one rollout engine split over both ranks
-    (rollout.tp=2, laid out by the engine placement): the same run as one rank."""
+def test_engine_layouts_and_placements_match_tp1_with_greedy_rollouts(workspace, tmp_path):
+    """PP=2 feeding one rollout engine split over both ranks (rollout.tp=2, laid out by the
+    engine placement); TP=2 and PP=2 feeding an engine on a rank of its own over the weight
+    bridge: each the same run as one rank."""
     layouts = {"tp1": ("actor.parallel.tp=1", "trainer.n_gpus_per_node=1"),
-               "tp2": ("actor.parallel.tp=2", "trainer.n_gpus_per_node=2"),
                "pp2_engine_tp2": ("actor.parallel.pp=2", "trainer.n_gpus_per_node=2",
-                                  "rollout.tp=2")}
+                                  "rollout.tp=2"),
+               # engines on a rank of their own, fed over the weight bridge
+               "tp2_separate": ("actor.parallel.tp=2", "trainer.n_gpus_per_node=2",
+                                "rollout.placement=separate", "rollout.world_size=1"),
+               "pp2_separate": ("actor.parallel.pp=2", "trainer.n_gpus_per_node=2",
+                                "rollout.placement=separate", "rollout.world_size=1")}
     runs = {}
     for name, layout in layouts.items():
         out = tmp_path / name
@@ -221,7 +226,7 @@ def test_tp2_and_an_engine_over_two_pp_ranks_match_tp1_with_greedy_rollouts(work
         code, stdout, stderr = finish(ppo(args))
         assert code == 0, stdout[-3000:] + stderr[-3000:]
         runs[name] = [r for r in metrics(out) if "actor/pg_loss" in r]
-    for other in ("tp2", "pp2_engine_tp2"):
+    for other in layouts.keys() - {"tp1"}:
         assert len(runs[other]) == len(runs["tp1"]) == 2
         for a, b in zip(runs["tp1"], runs[other]):
             for key in ("actor/pg_loss", "actor/kl", "critic/vf_loss", "reward/score_mean",

@@ -110,6 +110,15 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
     check_sglang_settings(r)
     check_positive("rollout.ep", r.ep)
+    check_positive("rollout.world_size", r.world_size)
+    if r.placement not in ("colocated", "separate"):
+        raise UserError(f"config: rollout.placement={r.placement!r} must be colocated or separate")
+    if r.placement == "separate" and r.backend != "hf":
+        raise UserError("config: rollout.placement=separate is built for rollout.backend=hf only "
+                        "(SGLang engines on GPUs of their own are not done yet)")
+    if r.placement == "separate" and r.world_size % r.tp:
+        raise UserError(f"config: rollout.tp={r.tp} does not divide the separate rollout group's "
+                        f"rollout.world_size={r.world_size} ranks")
     if r.tp % r.ep or (r.backend == "hf" and r.ep not in (1, r.tp)):
         allowed = f"1 or rollout.tp={r.tp}" if r.backend == "hf" else f"a divisor of rollout.tp={r.tp}"
         raise UserError(f"config: rollout.ep={r.ep} must be {allowed} (experts are split over "
@@ -179,12 +188,13 @@ def scoring_temperature(temperature: float) -> float:
 def check_layout(cfg: PPOConfig, world: int, dp: int, generates: bool = True) -> None:
     """Batch arithmetic once the data-parallel size is known; ``generates``: the group hosts
     rollout engines (a separate critic group does not)."""
-    a = cfg.actor
-    if generates and world % cfg.rollout.tp:
-        raise UserError(f"config: rollout.tp={cfg.rollout.tp} does not divide the {world} worker ranks")
+    a, r = cfg.actor, cfg.rollout
+    engines = r.world_size if r.placement == "separate" else world  # the ranks engines cover
+    if generates and engines % r.tp:
+        raise UserError(f"config: rollout.tp={r.tp} does not divide the {engines} worker ranks")
     if generates:
-        per_node = min(world, cfg.trainer.n_gpus_per_node)
-        check_engine_layout(cfg.rollout.tp, per_node, -(-world // per_node))
+        per_node = min(engines, cfg.trainer.n_gpus_per_node)
+        check_engine_layout(r.tp, per_node, -(-engines // per_node))
     per_rank = a.ppo_mini_batch_size // dp if a.ppo_mini_batch_size % dp == 0 else None
     if per_rank is None or per_rank % a.ppo_micro_batch_size_per_rank:
         raise UserError(f"config: actor.ppo_mini_batch_size={a.ppo_mini_batch_size} must split into "

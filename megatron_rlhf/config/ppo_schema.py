@@ -236,6 +236,11 @@ class RolloutConfig:
     """GPUs (ranks) per rollout engine: a divisor of a node's GPUs or whole nodes (an engine over
     several nodes runs one process a node). Engines are the generator's data parallelism:
     world / tp of them."""
+    placement: str = "colocated"
+    """``colocated``: engines on the trainer's GPUs (their memory released while it trains);
+    ``separate``: engines on ``world_size`` ranks of their own, fed over a broadcast bridge."""
+    world_size: int = 1
+    """Ranks of the separate rollout group (``placement=separate``); engines of ``tp`` each."""
     ep: int = 1
     """MoE models: experts split over this many of an engine's ``tp`` GPUs (SGLang's
     ``ep_size``; the ``hf`` engine takes 1 or ``tp``). DP-attention and the other SGLang MoE

@@ -153,12 +153,15 @@ class WorkerGroup:
         """``worker.method(*args, **kwargs)`` on every rank; results in rank order. ``method``
         is the worker class's function (``group.call(PPOWorker.update_actor, batch, step)``), so
         readers and tools can follow the call to its definition."""
+        return self._get(self.submit(method, *args, **kwargs), method.__name__)
+
+    def submit(self, method: Callable, *args, **kwargs) -> list:
+        """:meth:`call` without waiting: the ranks' result references."""
         import ray
 
-        name = method.__name__
         # One object-store copy of large arguments, shared by every rank.
         args = tuple(ray.put(a) if _large(a) else a for a in args)
-        return self._get([a.call.remote(name, *args, **kwargs) for a in self.actors], name)
+        return [a.call.remote(method.__name__, *args, **kwargs) for a in self.actors]
 
     def _get(self, refs: list, what: str) -> list[Any]:
         import ray
@@ -176,6 +179,10 @@ class WorkerGroup:
                 self.shutdown()
                 raise WorkerFailed(_describe(self.name, what, failed))
         return ray.get(refs)
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's host address and a port free there."""
+        return self._get([self.actors[0].address.remote()], "address")[0]
 
     def places(self):
         """Where each rank runs (:class:`~megatron_rlhf.distributed.engine_placement.Place`,
@@ -248,3 +255,19 @@ def _cause(err: Exception) -> str:
         return f"{type(cause).__name__}: {cause}"
     text = str(err).strip().splitlines()
     return text[-1] if text else type(err).__name__
+
+
+def call_together(*calls: tuple) -> list[list[Any]]:
+    """``(group, method, *args)`` calls that meet in one collective (a weight bridge between two
+    groups), started together and waited for together: each group's results, in call order. A
+    failure in one group names it and stops the others."""
+    started = [(group, method.__name__, group.submit(method, *args)) for group, method, *args in calls]
+    results = []
+    try:
+        for group, name, refs in started:
+            results.append(group._get(refs, name))
+    except WorkerFailed:
+        for group, _, _ in started:
+            group.shutdown()
+        raise
+    return results

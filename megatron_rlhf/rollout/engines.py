@@ -18,8 +18,20 @@ def place_engines(tp: int) -> EngineSlot:
     return engine_slots(rank_places(), tp)[dist.get_rank()]
 
 
+def engine_share(generator, prompts: list[list[int]], params) -> tuple | None:
+    """This rank's engine's samples of its share of ``prompts`` (engines split them like data
+    parallel ranks), tagged with the engine's index, on the engine's head; None elsewhere."""
+    import torch.distributed as dist
+
+    slot, count = generator.slot, len(prompts)
+    mine = prompts[slot.index * count // slot.count:(slot.index + 1) * count // slot.count]
+    params.seed = params.seed * 1000 + slot.index
+    result = generator.generate(mine, params)
+    return (slot.index, result) if dist.get_rank() == slot.head else None
+
+
 def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
-                   groups: ParallelGroups):
+                   groups: ParallelGroups | None = None):
     """This rank's part of a generator engine (weights arrive with the first weight sync); its
     ``slot`` says which engine and whether this rank reports the engine's samples."""
     slot = place_engines(cfg.tp)

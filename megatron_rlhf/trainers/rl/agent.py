@@ -94,6 +94,9 @@ class PPORun:
     judged: bool = False
     """``critic`` is a judge group scoring other agents too (not this agent's to save)."""
     last_saved: int = -1  # the step of the newest checkpoint loaded
+    rollout_group: object = None
+    """A separate rollout group (``rollout.placement=separate``): it generates, fed by the
+    actor group over a weight bridge; None when the engines share the actor's ranks."""
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -222,7 +225,8 @@ class PPORun:
 
             out = run_turns(self._generate_ids, ids, params, None, turns, self.feedback_ids,
                             score_many=check)
-            self.actor.call(PPOWorker.release_rollout)
+            if self.rollout_group is None:
+                self.actor.call(PPOWorker.release_rollout)
             return out
         return self._generate_ids(ids, params, release=True)  # one round trip, not two
 
@@ -236,7 +240,12 @@ class PPORun:
 
     def _generate_ids(self, ids: list[list[int]], params: SamplingParams,
                       release: bool = False) -> list[Generation]:
-        per_replica = self.actor.call(PPOWorker.generate, ids, params, release)
+        if self.rollout_group is not None:
+            from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+            per_replica = self.rollout_group.call(RolloutWorker.generate, ids, params)
+        else:
+            per_replica = self.actor.call(PPOWorker.generate, ids, params, release)
         out, offset = [], 0
         for part in stitch(per_replica):
             for g in part:
@@ -408,10 +417,22 @@ class PPORun:
                 "kl_loss_scale": self.kl_loss_scale, "rollbacks": self.rollbacks}
 
     def groups(self) -> list:
-        """This agent's worker groups, each once (the critic's is the actor's when shared; a
-        judge is the run's, not the agent's)."""
+        """This agent's worker groups that hold models to save, each once (the critic's is the
+        actor's when shared; a judge is the run's, not the agent's)."""
         own = [self.actor] if self.judged else [self.actor, self.critic]
         return list({id(g): g for g in own}.values())
+
+    def sync_weights(self) -> None:
+        """The actor's weights into its rollout engines: on its own ranks, or over the bridge
+        into the separate rollout group (both groups take part together)."""
+        if self.rollout_group is None:
+            self.actor.call(PPOWorker.sync_weights)
+            return
+        from megatron_rlhf.orchestration.worker_group import call_together
+        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+        call_together((self.actor, PPOWorker.sync_weights),
+                      (self.rollout_group, RolloutWorker.receive_weights))
 
     def checkpoint_folders(self, step: int) -> list[Path]:
         return [self.ckpt_root / role / f"step_{step:08d}" for role in self.roles]
@@ -461,7 +482,7 @@ class PPORun:
         for group in self.groups():
             group.call(PPOWorker.load, str(self.ckpt_root), step, self.lr_scale)
         self.step = self.last_saved = step
-        self.actor.call(PPOWorker.sync_weights)
+        self.sync_weights()
         return state
 
     # ------------------------------------------------------------------ guard

@@ -15,7 +15,6 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainers.rl.placement import setup, shutdown
 from megatron_rlhf.trainers.rl.agent import Timer, close_step
-from megatron_rlhf.trainers.rl.worker import PPOWorker
 from megatron_rlhf.trainers.rl.run import RLRun, finish
 
 
@@ -34,7 +33,7 @@ def fit(run: RLRun) -> dict[str, float]:
             continue
         with timer("sync"):
             for name in episodes:
-                run.agents[name].actor.call(PPOWorker.sync_weights)
+                run.agents[name].sync_weights()
         for name, u in updates.items():  # the KL controllers move on accepted steps only
             kl = run.agents[name].advance_kl(u.advantages, episodes[name].batch)
             metrics |= run.named(name, u.metrics | kl)
@@ -73,7 +72,7 @@ def start(run: RLRun) -> None:
     else:
         run.trim_metrics(-1, rows=0)  # a killed run that never saved starts over: drop its rows
         for agent in run.agents.values():
-            agent.actor.call(PPOWorker.sync_weights)
+            agent.sync_weights()
     for agent in run.agents.values():
         agent.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,

@@ -67,6 +67,7 @@ def setup(cfg: PPOConfig) -> RLRun:
     sizes = {pool: max(a.world_size for a in members) for pool, members in pools(specs).items()}
     judge = cfg.multi_agent.judge_world_size * len(judges(cfg))
     apart = cfg.resource_pool.critic_world_size if cfg.resource_pool.critic == "separate" else 0
+    apart += sum(c.rollout.world_size for c in configs.values() if c.rollout.placement == "separate")
     run.ray_started = start_ray(cfg.ray, sum(sizes.values()) + judge + apart, use_gpu)
     try:
         rewards.start()  # the reward pool: once per run
@@ -173,12 +174,30 @@ def _place_agents(run: RLRun, specs, configs, layouts, sizes, data, use_gpu, thr
                         layouts[spec.name], updates)
             if apart:
                 agent.critic = _critic_apart(c, data, use_gpu, threads, updates)
+            if c.rollout.placement == "separate":
+                agent.rollout_group = _rollout_apart(c, group, use_gpu, threads)
             if len(members) > 1:  # the next agent's engine starts on the same device
                 group.call(PPOWorker.release_rollout)
             if not run.single:
                 run.log(f"agent {spec.name}: {spec.model_path}, layout {layouts[spec.name]} on pool "
                         f"{pool_name} ({len(members)} agent(s) sharing {sizes[pool_name]} device(s))")
     run.agents = {a.name: run.agents[a.name] for a in specs}  # the config's order
+
+
+def _rollout_apart(c: PPOConfig, actor, use_gpu: bool, threads: int):
+    """The separate rollout group: engines of ``rollout.tp`` over ``rollout.world_size`` ranks of
+    their own, and the weight bridge from the actor group's rank 0 to every one of them."""
+    from megatron_rlhf.orchestration.worker_group import WorkerGroup, call_together
+    from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+    size = c.rollout.world_size
+    group = WorkerGroup("rollout", size, use_gpu, threads,
+                        node_gpus=use_gpu and c.rollout.backend == "sglang" and c.rollout.tp > 1)
+    group.build(RolloutWorker, c.rollout, actor.call(PPOWorker.rollout_spec)[0])
+    host, port = actor.address()
+    call_together((actor, PPOWorker.open_bridge, host, port, size + 1),
+                  (group, RolloutWorker.open_bridge, host, port, size + 1))
+    return group
 
 
 def _critic_apart(c: PPOConfig, data, use_gpu: bool, threads: int, updates: dict):
@@ -268,7 +287,7 @@ def shutdown(run: RLRun) -> None:
         run.rewards.close()
     if run.logger is not None:
         run.logger.close()
-    for group in run.groups():
+    for group in run.groups() + [a.rollout_group for a in run.agents.values() if a.rollout_group]:
         group.shutdown()
     for pool in run.pools:
         pool.remove()

@@ -62,6 +62,13 @@ def policy_files(path: str):
     return read_hf_arch(path), Path(path)
 
 
+class _SendOnly:
+    """A trainer rank other than the bridge's sender: it runs the sync's gathers, sends nothing."""
+
+    def send(self, buckets) -> int:
+        return sum(1 for _ in buckets)
+
+
 def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype, options=None):
     """(model, arch, hf_dir, padded vocab) from an HF causal LM or a megatron_rlhf checkpoint."""
     from pathlib import Path
@@ -145,8 +152,10 @@ class PPOWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, local_files_only=True)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir, local_files_only=True)
         self.pad_id = pad_id(self.tokenizer)
-        self.generator = make_generator(cfg.rollout, str(self.hf_dir), self.dtype, self.pad_id,
-                                        self.tokenizer.eos_token_id, self.groups)
+        self.generator, self.bridge = None, None  # a separate rollout group: a bridge to it
+        if cfg.rollout.placement == "colocated":
+            self.generator = make_generator(cfg.rollout, str(self.hf_dir), self.dtype,
+                                            self.pad_id, self.tokenizer.eos_token_id, self.groups)
         self.sync = WeightSync(self.actor.module, self.arch, self.groups, self.padded,
                                int(cfg.rollout.bucket_size_mb * 2 ** 20))
         self._released = True  # the engine holds random weights until the first sync
@@ -181,35 +190,50 @@ class PPOWorker:
 
     # ----------------------------------------------------------------------------- rollout
     def generate(self, prompts: list[list[int]], params, release: bool = False) -> tuple | None:
-        """This rank's generator replica's share of ``prompts``; ``release`` frees the engine's
-        memory afterwards (what :meth:`release_rollout` does, without a second call)."""
-        import torch.distributed as dist
+        """This rank's engine's share of ``prompts``; ``release`` frees the engine's memory
+        afterwards (what :meth:`release_rollout` does, without a second call)."""
+        from megatron_rlhf.rollout.engines import engine_share
 
-        slot = self.generator.slot
-        gen_dp_rank, gen_dp, is_output = slot.index, slot.count, dist.get_rank() == slot.head
         if self._released:  # memory given back since the last sync: reload the current weights
             self.sync_weights()
-        mine = prompts[dp_slice(len(prompts), gen_dp, gen_dp_rank)]
-        params.seed = params.seed * 1000 + gen_dp_rank
-        result = self.generator.generate(mine, params)
+        result = engine_share(self.generator, prompts, params)
         if release:
             self.release_rollout()
-        return (gen_dp_rank, result) if is_output else None
-
-    @property
-    def world_size(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size()
+        return result
 
     def sync_weights(self) -> dict:
+        """Every bucket into this rank's engine, or over the bridge to a separate rollout group."""
+        if self.bridge is not None:
+            return {"buckets": float(self.bridge.send(self.sync.iter_buckets())),
+                    "bytes": float(self.sync.total_bytes)}
         self.generator.resume_memory()
         self._released = False
         return self.sync.sync(self.generator.load_weights)
 
     def release_rollout(self) -> None:
-        self.generator.release_memory()
-        self._released = True
+        if self.generator is not None:
+            self.generator.release_memory()
+            self._released = True
+
+    def rollout_spec(self) -> dict:
+        """What a separate rollout group's engines are built from."""
+        return {"hf_dir": str(self.hf_dir), "dtype": self.dtype, "pad_id": self.pad_id,
+                "eos_id": self.tokenizer.eos_token_id}
+
+    def open_bridge(self, host: str, port: int, size: int) -> None:
+        """Rank 0 sends the weights to a separate rollout group's ``size - 1`` ranks; the other
+        ranks only take part in the sync's gathers."""
+        import torch.distributed as dist
+
+        from megatron_rlhf.rollout.bridge import WeightBridge, bucket_plan
+
+        from megatron_rlhf.distributed.platform import platform_is_cpu
+
+        self.bridge = _SendOnly()
+        if dist.get_rank() == 0:
+            device = "cpu" if platform_is_cpu() else f"cuda:{torch.cuda.current_device()}"
+            self.bridge = WeightBridge(host, port, 0, size, device)
+            self.bridge.share_plan(bucket_plan(self.sync.buckets), self.dtype)
 
     # ----------------------------------------------------------------------------- experience
     def _mine(self, batch: dict) -> list[int]:
