@@ -209,7 +209,8 @@ def test_guard_without_checkpoint_stops_cleanly(workspace, tmp_path):
 def test_engine_layouts_and_placements_match_tp1_with_greedy_rollouts(workspace, tmp_path):
     """PP=2 feeding one rollout engine split over both ranks (rollout.tp=2, laid out by the
     engine placement); TP=2 and PP=2 feeding an engine on a rank of its own over the weight
-    bridge: each the same run as one rank."""
+    bridge; and the engine's log-probs taken as the old ones (bypass): each the same run as one
+    rank."""
     layouts = {"tp1": ("actor.parallel.tp=1", "trainer.n_gpus_per_node=1"),
                "pp2_engine_tp2": ("actor.parallel.pp=2", "trainer.n_gpus_per_node=2",
                                   "rollout.tp=2"),
@@ -217,7 +218,9 @@ def test_engine_layouts_and_placements_match_tp1_with_greedy_rollouts(workspace,
                "tp2_separate": ("actor.parallel.tp=2", "trainer.n_gpus_per_node=2",
                                 "rollout.placement=separate", "rollout.world_size=1"),
                "pp2_separate": ("actor.parallel.pp=2", "trainer.n_gpus_per_node=2",
-                                "rollout.placement=separate", "rollout.world_size=1")}
+                                "rollout.placement=separate", "rollout.world_size=1"),
+               # the engine's log-probs as the old ones (engine == trainer here): no old pass
+               "tp1_bypass": ("algorithm.rollout_correction.bypass=true",)}
     runs = {}
     for name, layout in layouts.items():
         out = tmp_path / name
@@ -232,6 +235,9 @@ def test_engine_layouts_and_placements_match_tp1_with_greedy_rollouts(workspace,
             for key in ("actor/pg_loss", "actor/kl", "critic/vf_loss", "reward/score_mean",
                         "actor/entropy"):
                 assert abs(a[key] - b[key]) < 1e-4, (other, key, a[key], b[key])
+    # Only a run with a trainer pass for the old log-probs can compare them with the engine's.
+    assert all("rollout/logprob_diff_max" not in r for r in runs["tp1_bypass"])
+    assert all(r["rollout/logprob_diff_max"] < 1e-5 for r in runs["tp1"])
 
 
 def test_bad_config_is_one_clear_line(workspace, tmp_path):

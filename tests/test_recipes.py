@@ -136,6 +136,30 @@ def test_tis_weights_and_sequence_masks_on_known_values():
     assert gap["rollout/logprob_diff_mean"] == pytest.approx((math.log(2) + math.log(5)) / 5, abs=1e-6)
 
 
+def test_sequence_tis_weights_equal_a_slow_loop():
+    """verl's ``rollout_is=sequence``: each sequence's tokens weighted by its capped product of
+    ratios; long sequences (whose product overflows float32) capped, not inf or NaN."""
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(6, 40, generator=gen) - 2
+    rollout = old + 0.05 * torch.randn(6, 40, generator=gen)
+    rollout[5] -= 3.0  # ratio e^3 per token: e^120 over the row
+    mask = (torch.rand(6, 40, generator=gen) > 0.2).float()
+    mask[4] = 0.0  # an empty response
+    for cap in (1.5, 2.0, 10.0):
+        fast = rollout_correction.tis_weights(old, rollout, mask, cap, "sequence")
+        for b in range(6):
+            product = 1.0
+            for t in range(40):
+                if mask[b, t]:
+                    product *= math.exp(float(old[b, t] - rollout[b, t]))
+            weight = min(product, cap)
+            for t in range(40):
+                assert fast[b, t].item() == pytest.approx(weight if mask[b, t] else 0.0, rel=1e-5)
+        assert torch.isfinite(fast).all() and fast[5].max().item() == pytest.approx(cap)
+    with pytest.raises(ValueError, match="unknown TIS level"):
+        rollout_correction.tis_weights(old, rollout, mask, 2.0, "geometric")
+
+
 def test_policy_loss_token_weights_scale_each_token():
     old, new = torch.zeros(1, 2), torch.zeros(1, 2)
     weights = torch.tensor([[2.0, 0.5]])

@@ -6,7 +6,8 @@ on detached log-probs of the sampled tokens (pure tensor code, ``[B, T]`` with `
 
 * truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
   brings you off-policy RL training"): every token's loss is weighted by
-  ``min(pi_old / pi_rollout, C)``;
+  ``min(pi_old / pi_rollout, C)`` (``token``), or by its sequence's ratio, the product over its
+  tokens, ``min(prod_t pi_old / pi_rollout, C)`` (``sequence``: verl's ``rollout_is=sequence``);
 * sequence masking: samples whose ratio leaves ``[low, high]`` are left out of the loss,
   the ratio being the product over tokens (``sequence``) or its geometric mean (``geometric``,
   which does not shrink with length).
@@ -14,16 +15,27 @@ on detached log-probs of the sampled tokens (pure tensor code, ``[B, T]`` with `
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MASK_LEVELS = ("sequence", "geometric")
+TIS_LEVELS = ("token", "sequence")
 
 
 def tis_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torch.Tensor,
-                cap: float) -> torch.Tensor:
-    """``min(exp(old - rollout), cap)`` per token, 0 off the mask, no gradient: ``[B, T]``."""
-    log_ratio = (old_logprob - rollout_logprob).detach().clamp(min=-20.0, max=20.0)
-    return torch.exp(log_ratio).clamp(max=cap) * mask
+                cap: float, level: str = "token") -> torch.Tensor:
+    """Truncated importance weights, 0 off the mask, no gradient: ``[B, T]``. ``token``:
+    ``min(exp(old - rollout), cap)`` per token; ``sequence``: ``min(exp(sum_t (old - rollout)),
+    cap)`` on every token of the sequence (the sum taken over ``mask``)."""
+    gap = (old_logprob - rollout_logprob).detach()
+    if level == "token":
+        return torch.exp(gap.clamp(min=-20.0, max=20.0)).clamp(max=cap) * mask
+    if level != "sequence":
+        raise ValueError(f"unknown TIS level {level!r}; choose from {TIS_LEVELS}")
+    # Capped in log space: a long sequence's product of ratios overflows before the cap.
+    log_ratio = (gap * mask).sum(dim=1, keepdim=True).clamp(max=math.log(cap))
+    return torch.exp(log_ratio) * mask
 
 
 def sequence_keep(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_rlhf.algorithms.estimators import ESTIMATORS, estimator
 from megatron_rlhf.algorithms.policy_losses import POLICY_LOSSES
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
-from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS
+from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS, TIS_LEVELS
 from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
 from megatron_rlhf.config.parallel import check_parallel
@@ -37,9 +37,11 @@ def reuses_update_log_probs(cfg: PPOConfig) -> bool:
     TRL and verl) instead of a separate pass. An in-reward KL still needs them beforehand."""
     a = cfg.actor
     samples = cfg.data.train_batch_size * cfg.rollout.n
+    c = cfg.algorithm.rollout_correction
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= samples
             and not cfg.algorithm.use_kl_in_reward
-            and cfg.algorithm.rollout_correction.mode == "none")  # it compares them to the engine's
+            and c.mode == "none"  # it compares them to the engine's
+            and not c.bypass)  # the engine's are the old ones
 
 
 def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
@@ -218,6 +220,11 @@ def _check_recipes(cfg: PPOConfig) -> None:
                             f"{cfg.actor.loss_agg_mode} must be a seq-mean-* mode")
     _choice("algorithm.rollout_correction.mode", c.mode, ("none", "tis", "mask", "tis+mask"))
     _choice("algorithm.rollout_correction.mask_level", c.mask_level, MASK_LEVELS)
+    _choice("algorithm.rollout_correction.tis_level", c.tis_level, TIS_LEVELS)
+    if c.bypass and c.mode != "none":
+        raise UserError(f"config: algorithm.rollout_correction.bypass takes the engine's "
+                        f"log-probs as the old ones, leaving no gap for mode={c.mode} to correct; "
+                        "set one of them")
     if c.mode != "none" and not (c.tis_cap > 0 and 0 < c.mask_low < 1 < c.mask_high):
         raise UserError(f"config: algorithm.rollout_correction needs tis_cap > 0 and "
                         f"0 < mask_low < 1 < mask_high (got {c.tis_cap}, {c.mask_low}, "

@@ -85,6 +85,12 @@ class RolloutCorrectionConfig:
     ``mask``: leave samples whose ratio is outside ``[mask_low, mask_high]`` out of the loss;
     ``tis+mask``: both."""
     tis_cap: float = 2.0
+    tis_level: str = "token"
+    """``token``: each token's own ratio; ``sequence``: its sequence's (product over tokens)."""
+    bypass: bool = False
+    """Use the rollout engine's log-probs of the sampled tokens as the old log-probs: the
+    trainer's old-log-prob pass is skipped (the update's ratio is against the engine). For an
+    engine that agrees with the trainer (``rollout/logprob_diff_max`` near 0); excludes ``mode``."""
     mask_low: float = 0.5
     mask_high: float = 2.0
     mask_level: str = "geometric"

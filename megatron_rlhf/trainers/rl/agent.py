@@ -67,6 +67,17 @@ def cat_rows(parts: list) -> torch.Tensor | None:
     return torch.cat(present) if present else None
 
 
+def engine_logprobs(gens: list[Generation], loss_mask: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs of the sampled tokens on the batch's grid ``[N, T]`` (each
+    response from its first loss position; 0 elsewhere)."""
+    engine = torch.zeros(loss_mask.shape, dtype=torch.float32)
+    for row, gen in enumerate(gens):
+        if gen.tokens:  # an empty response has no position
+            start = int(loss_mask[row].nonzero()[0])
+            engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
+    return engine
+
+
 @dataclass
 class PPORun:
     cfg: PPOConfig
@@ -320,19 +331,20 @@ class PPORun:
         """Old (actor) and reference log-probs into ``batch``; returns how far the engine's own
         log-probs are from the actor's (a wrong weight sync shows up here first). Passes nothing
         uses are skipped: see :func:`uses_reference` and :func:`reuses_update_log_probs`."""
-        need_old, need_ref = not reuses_update_log_probs(self.cfg), uses_reference(self.cfg)
+        bypass = self.cfg.algorithm.rollout_correction.bypass
+        need_old = not reuses_update_log_probs(self.cfg) and not bypass
+        need_ref = uses_reference(self.cfg)
+        if bypass:  # the engine's log-probs are the old ones: no trainer pass for them
+            batch["old_logprobs"] = engine_logprobs(gens, batch["loss_mask"])
         if not (need_old or need_ref):
             return {}
         parts = stitch(self.actor.call(PPOWorker.compute_log_probs, batch, need_old, need_ref))
         old, ref = (cat_rows(p) for p in zip(*parts))
-        batch["old_logprobs"], batch["ref_logprobs"] = old, ref
+        batch["ref_logprobs"] = ref
         if old is None:
             return {}
-        engine = torch.zeros_like(old)
-        for row, gen in enumerate(gens):
-            if gen.tokens:  # an empty response has no position to compare
-                start = int(batch["loss_mask"][row].nonzero()[0])
-                engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
+        batch["old_logprobs"] = old
+        engine = engine_logprobs(gens, batch["loss_mask"])
         gap = (engine - old).abs() * batch["loss_mask"]
         return {"rollout/logprob_diff_max": float(gap.max())} | self.correct(batch, old, engine)
 
@@ -344,10 +356,10 @@ class PPORun:
             return {}
         out = mismatch(old, engine, mask)
         if "tis" in c.mode:
-            batch["is_weights"] = tis_weights(old, engine, mask, c.tis_cap)
+            batch["is_weights"] = tis_weights(old, engine, mask, c.tis_cap, c.tis_level)
             out["rollout/is_weight_mean"] = float(batch["is_weights"].sum() / mask.sum().clamp(min=1))
             out["rollout/is_capped_fraction"] = float(
-                ((old - engine > math.log(c.tis_cap)) * mask).sum() / mask.sum().clamp(min=1))
+                ((batch["is_weights"] >= c.tis_cap) * mask).sum() / mask.sum().clamp(min=1))
         if "mask" in c.mode:
             keep = sequence_keep(old, engine, mask, c.mask_low, c.mask_high, c.mask_level)
             batch["train_rows"] = batch.get("train_rows", torch.ones_like(keep)) & keep
