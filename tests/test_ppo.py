@@ -483,3 +483,34 @@ def test_kills_at_seeded_moments_and_a_stop_signal_end_as_the_uninterrupted_run(
     assert proc.wait(timeout=120) == 0
     assert "already finished 6 steps" in (tmp_path / "again.log").read_text()
     assert sorted((str(p), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_one_step_off_policy_on_a_separate_rollout_group(workspace, tmp_path):
+    """rollout.max_staleness=1: the rollout group generates step k+1 with the weights of step k
+    while the trainers update on step k. With a learning rate too small to move a float32
+    weight the samples and losses are the on-policy run's; with lr > 0 each batch after the
+    first is one update old, its engine log-probs differ from the trainer's recomputed ones
+    (TIS corrects them), and its generation overlapped the previous update."""
+    common = ("rollout.placement=separate", "rollout.world_size=1", "trainer.max_steps=3",
+              "trainer.eval_every_steps=0", "trainer.val_before_train=false")
+    frozen = ("actor.optim.lr=1e-30", "actor.optim.min_lr=1e-30")
+    runs = {}
+    for name, extra in {"on_policy_frozen": frozen, "off_frozen": (*frozen, "rollout.max_staleness=1"),
+                        "off": ("rollout.max_staleness=1",)}.items():
+        out = tmp_path / name
+        code, stdout, stderr = finish(ppo(overrides(workspace, out, *common, *extra)))
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                      if "actor/pg_loss" in line]
+    for a, b in zip(runs["on_policy_frozen"], runs["off_frozen"], strict=True):
+        for key in ("actor/pg_loss", "actor/kl", "critic/vf_loss", "reward/score_mean",
+                    "response/length_mean"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    assert [r["rollout/staleness"] for r in runs["on_policy_frozen"]] == [0.0, 0.0, 0.0]
+    off = runs["off"]
+    assert [r["rollout/staleness"] for r in off] == [0.0, 1.0, 1.0]
+    assert off[0]["rollout/logprob_diff_max"] < 1e-5  # the first batch is on-policy
+    for row in off[1:]:
+        assert row["rollout/logprob_diff_max"] > 1e-3  # sampled by the previous weights
+        assert row["rollout/is_weight_mean"] != 1.0  # corrected (auto: token TIS)
+        assert row["timing/overlap"] > 0  # generated while the previous step updated

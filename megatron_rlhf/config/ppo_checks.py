@@ -37,16 +37,26 @@ def reuses_update_log_probs(cfg: PPOConfig) -> bool:
     TRL and verl) instead of a separate pass. An in-reward KL still needs them beforehand."""
     a = cfg.actor
     samples = cfg.data.train_batch_size * cfg.rollout.n
-    c = cfg.algorithm.rollout_correction
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= samples
             and not cfg.algorithm.use_kl_in_reward
-            and c.mode == "none"  # it compares them to the engine's
-            and not c.bypass)  # the engine's are the old ones
+            and correction_mode(cfg) == "none"  # it compares them to the engine's
+            and not cfg.algorithm.rollout_correction.bypass)  # the engine's are the old ones
+
+
+def correction_mode(cfg: PPOConfig) -> str:
+    """``algorithm.rollout_correction.mode`` with ``auto`` resolved: token TIS when rollouts may
+    be stale (and the engine's log-probs are not taken as the old ones), else none."""
+    c, stale = cfg.algorithm.rollout_correction, cfg.rollout.max_staleness > 0
+    if c.mode != "auto":
+        return c.mode
+    return "tis" if stale and not c.bypass else "none"
 
 
 def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     """Checks that need no model or process group (layout checks follow in the workers)."""
     d, a, r, alg, t = cfg.data, cfg.actor, cfg.rollout, cfg.algorithm, cfg.trainer
+    correction = alg.rollout_correction
+    correction.mode = correction_mode(cfg)  # stale rollouts are corrected unless told otherwise
     if not a.model_path and not cfg.agents:
         raise UserError("config: missing required value for actor.model_path")
     if not d.train_files:
@@ -118,6 +128,17 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     if r.placement == "separate" and r.backend != "hf":
         raise UserError("config: rollout.placement=separate is built for rollout.backend=hf only "
                         "(SGLang engines on GPUs of their own are not done yet)")
+    if r.max_staleness < 0 or (r.max_staleness and r.placement != "separate"):
+        raise UserError(f"config: rollout.max_staleness={r.max_staleness} must be >= 0, and "
+                        "> 0 only with rollout.placement=separate (colocated engines share the "
+                        "trainer's devices: nothing runs while they generate)")
+    if r.max_staleness and (alg.filter_groups.enable or r.max_turns > 1 or correction.bypass
+                            or cfg.multi_agent.mode != "solo"):
+        raise UserError(f"config: rollout.max_staleness={r.max_staleness} generates whole steps "
+                        "ahead: not with algorithm.filter_groups, rollout.max_turns > 1 or a "
+                        "multi_agent.mode other than solo (not built), nor "
+                        "rollout_correction.bypass (a stale engine's log-probs are not the old "
+                        "policy's)")
     if r.placement == "separate" and r.world_size % r.tp:
         raise UserError(f"config: rollout.tp={r.tp} does not divide the separate rollout group's "
                         f"rollout.world_size={r.world_size} ranks")

@@ -80,8 +80,9 @@ class RolloutCorrectionConfig:
     """Correction for the gap between the rollout engine's and the trainer's probabilities of
     the sampled tokens (``megatron_rlhf.algorithms.rollout_correction``)."""
 
-    mode: str = "none"
-    """``none``; ``tis``: weight every token's loss by ``min(pi_old / pi_rollout, tis_cap)``;
+    mode: str = "auto"
+    """``auto``: ``tis`` when rollouts may be stale (``rollout.max_staleness > 0``), else
+    ``none``; ``none``; ``tis``: weight every token's loss by ``min(pi_old / pi_rollout, tis_cap)``;
     ``mask``: leave samples whose ratio is outside ``[mask_low, mask_high]`` out of the loss;
     ``tis+mask``: both."""
     tis_cap: float = 2.0
@@ -247,6 +248,13 @@ class RolloutConfig:
     ``separate``: engines on ``world_size`` ranks of their own, fed over a broadcast bridge."""
     world_size: int = 1
     """Ranks of the separate rollout group (``placement=separate``); engines of ``tp`` each."""
+    max_staleness: int = 0
+    """0: on-policy (generation waits for the latest weights). k > 0 (``placement=separate``):
+    the rollout group generates the batches of the next k steps while the trainers update,
+    each with the weights it held then, so a batch is trained on up to k updates after the
+    weights that sampled it (``rollout/staleness``); the gap is corrected by
+    ``algorithm.rollout_correction`` (``auto``: token TIS against the trainer's recomputed
+    log-probs, the proximal policy of AReaL's decoupled objective)."""
     ep: int = 1
     """MoE models: experts split over this many of an engine's ``tp`` GPUs (SGLang's
     ``ep_size``; the ``hf`` engine takes 1 or ``tp``). DP-attention and the other SGLang MoE

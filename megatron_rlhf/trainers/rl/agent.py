@@ -67,6 +67,25 @@ def cat_rows(parts: list) -> torch.Tensor | None:
     return torch.cat(present) if present else None
 
 
+@dataclass
+class InFlight:
+    """A step's generation started ahead on the separate rollout group."""
+
+    refs: list  # the rollout ranks' result references
+    version: int  # the step whose weights the engines held when it started
+    started_at: int  # the step whose update it overlaps
+
+
+def _stitched(per_replica: list) -> list[Generation]:
+    """The engines' ``(index, generations)`` in engine order, prompt indices made global."""
+    out, offset = [], 0
+    for part in stitch(per_replica):
+        for g in part:
+            out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
+        offset += len({g.prompt_index for g in part})
+    return out
+
+
 def engine_logprobs(gens: list[Generation], loss_mask: torch.Tensor) -> torch.Tensor:
     """The engine's log-probs of the sampled tokens on the batch's grid ``[N, T]`` (each
     response from its first loss position; 0 elsewhere)."""
@@ -108,6 +127,12 @@ class PPORun:
     rollout_group: object = None
     """A separate rollout group (``rollout.placement=separate``): it generates, fed by the
     actor group over a weight bridge; None when the engines share the actor's ranks."""
+    engine_version: int = 0
+    """The step whose weights the rollout engines hold (the trainer's after that many updates)."""
+    inflight: dict = field(default_factory=dict)
+    """``rollout.max_staleness > 0``: step -> :class:`InFlight` generation started ahead."""
+    update_spans: dict = field(default_factory=dict)
+    """step -> (start, end) wall-clock seconds of its update (``timing/overlap``)."""
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -153,20 +178,75 @@ class PPORun:
             from megatron_rlhf.trainers.rl.dynamic_sampling import rollout_with_signal
 
             return rollout_with_signal(self, step, timer)
-        prompts, offline = self.step_prompts(step), self.offline_groups(step)
-        prompts = prompts[:len(prompts) - len(offline)]  # the rest of the step is offline data
-        gens = []
+        prompts, offline = self.online_prompts(step), self.offline_groups(step)
+        gens, metrics = [], {}
         if prompts:
             with timer("gen"):
-                gens = self.generate(prompts, self.sampling(step), self.cfg.rollout.max_turns)
+                ahead = self.take_ahead(step)
+                gens = ahead.pop("gens") if ahead else self.generate(
+                    prompts, self.sampling(step), self.cfg.rollout.max_turns)
+                metrics |= ahead or self.staleness(step, self.engine_version)
         gens += [Generation(len(prompts) + i, list(s.tokens), list(s.logprobs), True)
                  for i, group in enumerate(offline) for s in group.samples]
         prompts = prompts + [group.prompt for group in offline]
         batch = build_batch([p.ids for p in prompts], gens, self.pad_id)
         with timer("reward_values"):
             scored = self.scores(prompts, gens, batch)
-        metrics = {"offline/samples": float(sum(len(g.samples) for g in offline))} if offline else {}
+        if offline:
+            metrics["offline/samples"] = float(sum(len(g.samples) for g in offline))
         return prompts, gens, batch, scored, metrics
+
+    def online_prompts(self, step: int) -> list[Prompt]:
+        """The step's prompts the engines answer (the rest of the step is offline data)."""
+        prompts = self.step_prompts(step)
+        return prompts[:len(prompts) - len(self.offline_groups(step))]
+
+    # ------------------------------------------------------------------ generation ahead
+    def staleness(self, step: int, version: int) -> dict[str, float]:
+        """``rollout/staleness`` of a batch sampled by the weights of step ``version``, checked
+        against ``rollout.max_staleness`` (a larger age is a scheduling bug, not a setting)."""
+        age = step - version
+        if not 0 <= age <= self.cfg.rollout.max_staleness:
+            raise RuntimeError(f"step {step + 1}: its samples come from the weights of step "
+                               f"{version}, {age} updates old; rollout.max_staleness="
+                               f"{self.cfg.rollout.max_staleness}")
+        return {"rollout/staleness": float(age)} if self.rollout_group is not None else {}
+
+    def start_ahead(self, step: int) -> None:
+        """``rollout.max_staleness = k > 0``: the separate rollout group starts generating the
+        steps up to ``step + k`` with the weights it holds, while ``step`` updates (the next
+        weight sync queues behind them on its ranks)."""
+        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+        last = min(step + self.cfg.rollout.max_staleness, self.total_steps - 1)
+        for ahead in range(step + 1, last + 1):
+            if ahead not in self.inflight:
+                ids = [list(p.ids) for p in self.online_prompts(ahead)]
+                refs = self.rollout_group.submit(RolloutWorker.generate, ids, self.sampling(ahead))
+                self.inflight[ahead] = InFlight(refs, self.engine_version, step)
+
+    def take_ahead(self, step: int) -> dict | None:
+        """The generations started ahead for ``step`` (with their staleness and overlap), or
+        None when none were."""
+        flight = self.inflight.pop(step, None)
+        if flight is None:
+            return None
+        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+        per_replica = self.rollout_group._get(flight.refs, "generate")
+        spans = [s for s in self.rollout_group.call(RolloutWorker.span) if s]
+        start, end = min(s[0] for s in spans), max(s[1] for s in spans)
+        update = self.update_spans.get(flight.started_at, (0.0, 0.0))
+        overlap = max(0.0, min(end, update[1]) - max(start, update[0]))
+        return {"gens": _stitched(per_replica), "timing/overlap": overlap,
+                **self.staleness(step, flight.version)}
+
+    def cancel_ahead(self) -> None:
+        """Drop generations started ahead (a rollback or restore changes the weights they were
+        meant to follow); their ranks finish them first, in order."""
+        for flight in self.inflight.values():
+            self.rollout_group._get(flight.refs, "generate")
+        self.inflight.clear()
 
     def offline_groups(self, step: int) -> list:
         """This step's share of offline prompt groups (``data.offline_fraction``), drawn without
@@ -254,15 +334,8 @@ class PPORun:
         if self.rollout_group is not None:
             from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
 
-            per_replica = self.rollout_group.call(RolloutWorker.generate, ids, params)
-        else:
-            per_replica = self.actor.call(PPOWorker.generate, ids, params, release)
-        out, offset = [], 0
-        for part in stitch(per_replica):
-            for g in part:
-                out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
-            offset += len({g.prompt_index for g in part})
-        return out
+            return _stitched(self.rollout_group.call(RolloutWorker.generate, ids, params))
+        return _stitched(self.actor.call(PPOWorker.generate, ids, params, release))
 
     # ------------------------------------------------------------------ scoring and experience
     def scores(self, prompts: list[Prompt], gens: list[Generation], batch: Experience) -> dict:
@@ -434,9 +507,11 @@ class PPORun:
         own = [self.actor] if self.judged else [self.actor, self.critic]
         return list({id(g): g for g in own}.values())
 
-    def sync_weights(self) -> None:
-        """The actor's weights into its rollout engines: on its own ranks, or over the bridge
-        into the separate rollout group (both groups take part together)."""
+    def sync_weights(self, version: int) -> None:
+        """The actor's weights (those of step ``version``) into its rollout engines: on its own
+        ranks, or over the bridge into the separate rollout group (both groups take part
+        together; on its ranks the receive follows any generation started ahead)."""
+        self.engine_version = version
         if self.rollout_group is None:
             self.actor.call(PPOWorker.sync_weights)
             return
@@ -494,7 +569,9 @@ class PPORun:
         for group in self.groups():
             group.call(PPOWorker.load, str(self.ckpt_root), step, self.lr_scale)
         self.step = self.last_saved = step
-        self.sync_weights()
+        if self.rollout_group is not None:
+            self.cancel_ahead()
+        self.sync_weights(step)
         return state
 
     # ------------------------------------------------------------------ guard

@@ -33,7 +33,7 @@ def fit(run: RLRun) -> dict[str, float]:
             continue
         with timer("sync"):
             for name in episodes:
-                run.agents[name].sync_weights()
+                run.agents[name].sync_weights(run.step + 1)
         for name, u in updates.items():  # the KL controllers move on accepted steps only
             kl = run.agents[name].advance_kl(u.advantages, episodes[name].batch)
             metrics |= run.named(name, u.metrics | kl)
@@ -72,7 +72,7 @@ def start(run: RLRun) -> None:
     else:
         run.trim_metrics(-1, rows=0)  # a killed run that never saved starts over: drop its rows
         for agent in run.agents.values():
-            agent.sync_weights()
+            agent.sync_weights(run.step)
     for agent in run.agents.values():
         agent.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,

@@ -19,6 +19,7 @@ class RolloutWorker:
         self.generator = make_generator(rollout, spec["hf_dir"], spec["dtype"], spec["pad_id"],
                                         spec["eos_id"])
         self.bridge = None
+        self.last_span: tuple[float, float] | None = None
 
     def open_bridge(self, host: str, port: int, size: int) -> None:
         import torch.distributed as dist
@@ -35,6 +36,15 @@ class RolloutWorker:
         return self.bridge.receive(self.generator.load_weights)
 
     def generate(self, prompts: list[list[int]], params) -> tuple | None:
+        import time
+
         from megatron_rlhf.rollout.engines import engine_share
 
-        return engine_share(self.generator, prompts, params)
+        start = time.time()
+        result = engine_share(self.generator, prompts, params)
+        self.last_span = (start, time.time())
+        return result
+
+    def span(self) -> tuple[float, float] | None:
+        """Wall-clock (start, end) of this rank's last generation."""
+        return self.last_span

@@ -86,6 +86,9 @@ class RLRun:
     def update(self, name: str, episode, timer) -> Update:
         """Experience, advantages and the updates of one agent (critic, then actor)."""
         agent, batch, step = self.agents[name], episode.batch, self.step
+        started = time.time()
+        if agent.cfg.rollout.max_staleness:
+            agent.start_ahead(step)  # the next steps' generation overlaps this update
         with timer(self.phase("old_ref_log_prob", name)):
             metrics = agent.log_probs(batch, episode.gens)
         with timer(self.phase("adv", name)):
@@ -109,6 +112,7 @@ class RLRun:
             digests = [r.pop("population/table_sha256") for r in ranks if "population/table_sha256" in r]
             trained |= ranks[0]
         metrics |= trained | episode.metrics | summarize_rollout(episode.gens, episode.scored, batch, adv)
+        agent.update_spans = {step: (started, time.time())}  # what generation ahead overlapped
         return Update(metrics, trained, adv, digests)
 
     def check_tables(self, updates: dict[str, Update], metrics: dict) -> None:
