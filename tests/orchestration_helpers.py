@@ -40,6 +40,18 @@ class Echo:
         self.all_reduce(0.0)
 
 
+class Waiter:
+    """Blocks in a collective, as a trainer group's ranks wait in a weight bridge."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+
+    def wait_in_collective(self) -> None:
+        if dist.get_rank() == 0:
+            time.sleep(3600)
+        dist.barrier()
+
+
 class Placed:
     """What a rank learns about where it runs, and its rollout engine slot."""
 

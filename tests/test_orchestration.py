@@ -12,8 +12,8 @@ import pytest
 
 from megatron_rlhf.config.ppo_schema import RayConfig
 from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
-from megatron_rlhf.orchestration.worker_group import WorkerFailed, WorkerGroup
-from tests.orchestration_helpers import Echo
+from megatron_rlhf.orchestration.worker_group import WorkerFailed, WorkerGroup, call_together
+from tests.orchestration_helpers import Echo, Waiter
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,19 @@ def test_the_rank_that_died_is_named_not_the_peers_it_broke(ray_cluster):
     died_first = r"rank 1 failed in break_then_die: .*\(rank\(s\) 0 failed too\)"
     with pytest.raises(WorkerFailed, match=died_first):
         group.call(Echo.break_then_die, 1)
+
+
+def test_a_rank_dying_in_a_call_across_groups_names_its_group(ray_cluster):
+    """Two groups meeting in one call (a weight bridge): a rollout rank that dies fails it at
+    once, naming the rollout group, though the trainer group is still waiting."""
+    trainers = WorkerGroup("actor", 2, use_gpu=False)
+    trainers.build(Waiter, "t")
+    rollout = WorkerGroup("rollout", 1, use_gpu=False)
+    rollout.build(Echo, "r")
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match=r"^worker group 'rollout' rank 0 failed in die_or_wait"):
+        call_together((trainers, Waiter.wait_in_collective), (rollout, Echo.die_or_wait, 0))
+    assert time.monotonic() - started < 60
 
 
 def test_worker_exception_names_rank_and_cause(ray_cluster):

@@ -260,14 +260,20 @@ def _cause(err: Exception) -> str:
 def call_together(*calls: tuple) -> list[list[Any]]:
     """``(group, method, *args)`` calls that meet in one collective (a weight bridge between two
     groups), started together and waited for together: each group's results, in call order. A
-    failure in one group names it and stops the others."""
+    rank failing in any group fails the call at once, naming that group (the others, left
+    waiting in the collective, are shut down)."""
+    import ray
+
     started = [(group, method.__name__, group.submit(method, *args)) for group, method, *args in calls]
-    results = []
-    try:
-        for group, name, refs in started:
-            results.append(group._get(refs, name))
-    except WorkerFailed:
-        for group, _, _ in started:
-            group.shutdown()
-        raise
-    return results
+    owner = {ref: index for index, (_, _, refs) in enumerate(started) for ref in refs}
+    pending = list(owner)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        if _failures(done, list(owner)):
+            group, name, refs = started[owner[done[0]]]
+            try:
+                group._get(refs, name)  # names the rank (and its peers that failed too)
+            finally:
+                for other, _, _ in started:
+                    other.shutdown()
+    return [ray.get(refs) for _, _, refs in started]
