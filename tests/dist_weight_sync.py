@@ -97,10 +97,24 @@ def run_scenario(root: Path, model_name: str, layout, gen_tp: int, bucket: int) 
             "resident_bytes": resident, "released_bytes": released}
 
 
+def payload_order() -> list | None:
+    """What the SGLang backend's engine head gathers: one payload per rank of its engine, in
+    the engine's member order (SGLang's TP ranks), whatever the ranks' numbers."""
+    from megatron_rlhf.distributed.engine_placement import EngineSlot
+    from megatron_rlhf.rollout.sglang_engine import gather_in_member_order
+
+    slot = EngineSlot(0, 1, (1, 0), 1, None, ())  # rank 1 holds the engine's first GPU
+    found = gather_in_member_order(f"payload of rank {dist.get_rank()}", slot, dist.group.WORLD)
+    box = [found]
+    dist.broadcast_object_list(box, src=1)
+    return box[0]
+
+
 def main() -> None:
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     init_distributed()
     results = {name: run_scenario(root, *spec) for name, spec in SCENARIOS.items()}
+    results["sglang_payload_order"] = payload_order()
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
     dist.barrier()

@@ -36,6 +36,10 @@ def test_engine_releases_its_weights(sync_results, scenario):
     assert result["resident_bytes"] > 100_000 and result["released_bytes"] == 0
 
 
+def test_sglang_engine_head_gathers_payloads_in_tp_rank_order(sync_results):
+    assert sync_results["sglang_payload_order"] == ["payload of rank 1", "payload of rank 0"]
+
+
 def test_small_bucket_splits_into_many(sync_results):
     # 4 KiB buckets are smaller than most tensors: each such tensor travels alone.
     assert sync_results["tp2_small_bucket"]["buckets"] > 20

@@ -34,7 +34,8 @@ class SGLangGenerator:
                  slot: EngineSlot):
         self.cfg, self.slot, self.engine, self._released, self.eos_ids = cfg, slot, None, False, {eos_id}
         self.is_head = dist.get_rank() == slot.head
-        self.group = engine_groups(slot)  # collective: every rank makes every engine's group
+        # Collective: every rank makes every engine's group (none for one-GPU engines).
+        self.group = engine_groups(slot) if slot.tp > 1 else None
         address = engine_addresses(slot)  # collective
         proc = slot.process
         if proc is not None:
@@ -51,7 +52,8 @@ class SGLangGenerator:
         from sglang.srt.utils import MultiprocessingSerializer
 
         payload = MultiprocessingSerializer.serialize(list(named_tensors))
-        payloads = gather_in_member_order(payload, self.slot, self.group)
+        payloads = (gather_in_member_order(payload, self.slot, self.group)
+                    if self.group is not None else [payload])
         if self.is_head:
             request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads,
                                                       flush_cache=True)
@@ -59,8 +61,8 @@ class SGLangGenerator:
                 self.engine.tokenizer_manager.update_weights_from_tensor(request, None))
             if isinstance(result, tuple) and not result[0]:  # (success, message)
                 raise RuntimeError(f"sglang rejected the weight update: {result[1]}")
-        # The tensors behind the handles stay alive until every TP rank has read them.
-        dist.barrier(group=self.group)
+        if self.group is not None:  # the tensors behind the handles outlive every TP rank's read
+            dist.barrier(group=self.group)
 
     def release_memory(self) -> None:
         if self.is_head and not self._released:
