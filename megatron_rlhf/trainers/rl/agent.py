@@ -234,7 +234,7 @@ class PPORun:
         from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
 
         per_replica = self.rollout_group._get(flight.refs, "generate")
-        spans = [s for s in self.rollout_group.call(RolloutWorker.span) if s]
+        spans = [s for s in self.rollout_group.call(RolloutWorker.span, self.sampling(step).seed) if s]
         start, end = min(s[0] for s in spans), max(s[1] for s in spans)
         update = self.update_spans.get(flight.started_at, (0.0, 0.0))
         overlap = max(0.0, min(end, update[1]) - max(start, update[0]))

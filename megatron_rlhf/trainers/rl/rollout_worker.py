@@ -19,7 +19,7 @@ class RolloutWorker:
         self.generator = make_generator(rollout, spec["hf_dir"], spec["dtype"], spec["pad_id"],
                                         spec["eos_id"])
         self.bridge = None
-        self.last_span: tuple[float, float] | None = None
+        self.spans: dict[int, tuple[float, float]] = {}  # sampling seed -> (start, end)
 
     def open_bridge(self, host: str, port: int, size: int) -> None:
         import torch.distributed as dist
@@ -40,11 +40,13 @@ class RolloutWorker:
 
         from megatron_rlhf.rollout.engines import engine_share
 
-        start = time.time()
+        seed, start = params.seed, time.time()  # a step's seed names its generation
         result = engine_share(self.generator, prompts, params)
-        self.last_span = (start, time.time())
+        self.spans[seed] = (start, time.time())
+        while len(self.spans) > 16:  # the steps in flight at most, with room
+            self.spans.pop(next(iter(self.spans)))
         return result
 
-    def span(self) -> tuple[float, float] | None:
-        """Wall-clock (start, end) of this rank's last generation."""
-        return self.last_span
+    def span(self, seed: int) -> tuple[float, float] | None:
+        """Wall-clock (start, end) on this rank of the generation with sampling seed ``seed``."""
+        return self.spans.get(seed)
