@@ -84,7 +84,7 @@ def test_offline_only_step_trains_with_hand_computed_importance_weights(tokenize
     cfg.data.train_batch_size, cfg.data.offline_fraction = 1, 1.0
     cfg.algorithm.rollout_correction.mode, cfg.algorithm.rollout_correction.tis_cap = "tis", 2.0
     run = SimpleNamespace(cfg=cfg, offline=groups, pad_id=0, train=[None], steps_per_epoch=1)
-    for name in ("step_indices", "step_prompts", "offline_groups", "correct"):
+    for name in ("step_indices", "step_prompts", "offline_groups", "online_prompts", "correct"):
         setattr(run, name, getattr(PPORun, name).__get__(run))
     run.scores = lambda prompts, gens, batch: {"score": torch.zeros(len(gens)), "rm": None,
                                                "turns": None}

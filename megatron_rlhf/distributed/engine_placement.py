@@ -182,13 +182,12 @@ def engine_addresses(slot: EngineSlot) -> str:
 
     import torch.distributed as dist
 
+    from megatron_rlhf.distributed.launch import free_port
+
     mine = None
     if dist.get_rank() == slot.head:
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
         host = os.environ.get("MRLHF_NODE_IP") or socket.gethostbyname(socket.gethostname())
-        mine = f"{host}:{port}"
+        mine = f"{host}:{free_port()}"
     found: list = [None] * dist.get_world_size()
     dist.all_gather_object(found, (slot.index, mine))
     return next(addr for index, addr in found if index == slot.index and addr)

@@ -96,10 +96,31 @@ def discover_rank(env: dict[str, str] | None = None) -> RankInfo:
 
 
 def _free_port() -> int:
+    return free_port("127.0.0.1")
+
+
+# Below Linux's ephemeral range (32768-60999), where outgoing connections take their local
+# ports, and above Ray's worker ports (10002-19999): a port found free here stays free until
+# the store that asked for it listens (one from the ephemeral range was once taken in between).
+PORT_RANGE = (20000, 32000)
+
+
+def free_port(host: str = "") -> int:
+    """A port nothing listens on at ``host``, for a rendezvous store about to listen there."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    rng = random.Random()  # not the training seed: two runs on a node must not pick alike
+    for _ in range(200):
+        port = rng.randrange(*PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # a crowded range: let the OS choose
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -26,14 +26,11 @@ def _worker_class():
         """One rank: sets the torch.distributed environment, then hosts a worker object."""
 
         def address(self) -> tuple[str, int]:
-            import socket
-
             import ray as _ray
 
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                port = sock.getsockname()[1]
-            return _ray.util.get_node_ip_address(), port
+            from megatron_rlhf.distributed.launch import free_port
+
+            return _ray.util.get_node_ip_address(), free_port()
 
         def init(self, rank: int, world_size: int, master: tuple[str, int], threads: int) -> int:
             import torch
