@@ -182,8 +182,10 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_ch
     assert wait_until(proc, lambda: (ckpt(4) / "megatron_rlhf.json").is_file())
     kill_tree(proc)
     proc = launch(args, log)  # resumes at 4; its first save (step 8) is its slowest
+    # One step trained past the save in flight (row 9): a save can commit within 0.2 s, and
+    # waiting for a second step once left no moment to kill it in.
     assert wait_until(proc, lambda: ckpt(8).with_name(ckpt(8).name + ".partial").is_dir()
-                      and len(rows(out)) >= 10), log.read_text()[-2000:]
+                      and len(rows(out)) >= 9), log.read_text()[-2000:]
     kill_tree(proc)
     assert (ckpt(4) / "megatron_rlhf.json").is_file() and not ckpt(8).exists()
     proc = launch(args, log)
