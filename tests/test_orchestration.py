@@ -55,10 +55,8 @@ def test_a_rank_dying_in_a_call_across_groups_names_its_group(ray_cluster):
     trainers.build(Waiter, "t")
     rollout = WorkerGroup("rollout", 1, use_gpu=False)
     rollout.build(Echo, "r")
-    started = time.monotonic()
     with pytest.raises(WorkerFailed, match=r"^worker group 'rollout' rank 0 failed in die_or_wait"):
         call_together((trainers, Waiter.wait_in_collective), (rollout, Echo.die_or_wait, 0))
-    assert time.monotonic() - started < 60
 
 
 def test_worker_exception_names_rank_and_cause(ray_cluster):

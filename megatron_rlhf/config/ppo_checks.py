@@ -121,6 +121,21 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
         check_positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
     check_sglang_settings(r)
+    _check_rollout_layout(cfg)
+    if t.critic_warmup < 0 or (t.critic_warmup and not estimator(alg.adv_estimator).needs_critic):
+        raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
+                        f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")
+    rb = t.rollback
+    if rb.kl_threshold < 0 or not 0 < rb.lr_factor <= 1 or rb.kl_coef_factor < 1 or rb.max_rollbacks < 0:
+        raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
+                        f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
+    return cfg
+
+
+def _check_rollout_layout(cfg: PPOConfig) -> None:
+    """Engine experts, placement, the separate group's size and staleness."""
+    r, alg = cfg.rollout, cfg.algorithm
+    correction = alg.rollout_correction
     check_positive("rollout.ep", r.ep)
     check_positive("rollout.world_size", r.world_size)
     if r.placement not in ("colocated", "separate"):
@@ -146,14 +161,6 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         allowed = f"1 or rollout.tp={r.tp}" if r.backend == "hf" else f"a divisor of rollout.tp={r.tp}"
         raise UserError(f"config: rollout.ep={r.ep} must be {allowed} (experts are split over "
                         f"the GPUs of an engine; backend {r.backend})")
-    if t.critic_warmup < 0 or (t.critic_warmup and not estimator(alg.adv_estimator).needs_critic):
-        raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
-                        f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")
-    rb = t.rollback
-    if rb.kl_threshold < 0 or not 0 < rb.lr_factor <= 1 or rb.kl_coef_factor < 1 or rb.max_rollbacks < 0:
-        raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
-                        f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
-    return cfg
 
 
 def _check_ranges(cfg: PPOConfig) -> None:

@@ -13,7 +13,7 @@ other GPUs.
 from __future__ import annotations
 
 import datetime
-import pickle
+import json
 from typing import Callable, Iterable
 
 import torch
@@ -54,14 +54,16 @@ class WeightBridge:
 
     def share_plan(self, plan: Plan | None, dtype: torch.dtype | None) -> None:
         """The sender's plan and dtype to every receiver (once, when the bridge opens)."""
-        blob = pickle.dumps((plan, str(dtype))) if self.rank == 0 else b""
+        # JSON, not pickle: the receivers run nothing they are sent.
+        blob = json.dumps([plan, str(dtype)]).encode() if self.rank == 0 else b""
         size = self._broadcast(torch.tensor([len(blob)], dtype=torch.long, device=self.device))
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         if self.rank == 0:
             data.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
         self._broadcast(data)
-        plan, dtype_name = pickle.loads(data.cpu().numpy().tobytes())
-        self.plan, self.dtype = plan, getattr(torch, dtype_name.removeprefix("torch."))
+        plan, dtype_name = json.loads(data.cpu().numpy().tobytes())
+        self.plan = [[(name, tuple(shape)) for name, shape in bucket] for bucket in plan]
+        self.dtype = getattr(torch, dtype_name.removeprefix("torch."))
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]] | None]) -> int:
         """Rank 0: each bucket as one flat broadcast (``buckets`` yields None on trainer ranks
