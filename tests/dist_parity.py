@@ -69,11 +69,11 @@ def layout_groups(layout: tuple, shape, release: bool = True):
     return build_parallel_groups(ParallelLayout(*layout), shape)
 
 
-def from_hf(hf_dir, layout, release: bool = True):
+def from_hf(hf_dir, layout, release: bool = True, options=None):
     arch = read_hf_arch(hf_dir)
     groups = layout_groups(layout, arch.shape, release)
     padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
-    model = build_model(arch, groups, torch.float32, padded)
+    model = build_model(arch, groups, torch.float32, padded, options)
     load_hf_weights(model, HFReader(hf_dir), arch, groups, padded, progress=False)
     return model, groups, arch
 

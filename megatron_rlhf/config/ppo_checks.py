@@ -75,6 +75,9 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("trainer.log_every_steps", t.log_every_steps),
                         ("trainer.keep_last_n", t.keep_last_n)):
         check_positive(name, value)
+    if a.logprob_chunk_tokens < 0:
+        raise UserError(f"actor.logprob_chunk_tokens must be >= 0 (0: full logits), got "
+                        f"{a.logprob_chunk_tokens}")
     _check_ranges(cfg)
     _choice("data.overlong", d.overlong, ("drop", "truncate"))
     _choice("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)

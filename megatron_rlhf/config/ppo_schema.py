@@ -155,6 +155,10 @@ class ActorConfig:
     """Samples per forward/backward on one data-parallel rank."""
     ppo_epochs: int = 4
     """Passes over each step's samples."""
+    logprob_chunk_tokens: int = 1024
+    """Log-probs and entropy (update, old and reference passes) come from the last hidden states
+    at response positions only, through the output layer this many tokens at a time: no
+    ``[tokens x vocab]`` logits are kept. 0: full logits on every position (the older path)."""
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     """Lower clip (defaults to ``clip_ratio``); DAPO's clip-higher sets ``clip_ratio_high`` apart."""

@@ -36,7 +36,9 @@ from megatron_rlhf.rewards.rm_scorer import last_token_rewards
 from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
                                           set_lr_scale, train_step, training_dtype)
 from megatron_rlhf.trainers.rl.experience import Experience
-from megatron_rlhf.trainers.rl.losses import actor_loss, critic_loss, grid_logprobs
+from megatron_rlhf.models.output_head import output_head
+from megatron_rlhf.trainers.rl.losses import (actor_loss, critic_loss, grid_logprobs,
+                                              loss_positions_logprobs)
 from megatron_rlhf.trainers.rl.value_init import build_value_model, resolve_value_source, reward_model_source
 
 ACTOR_KEYS = ["pg_loss", "loss_denominator", "clipfrac", "ppo_kl", "entropy", "kl", "tokens", "count"]
@@ -240,10 +242,10 @@ class PPOWorker:
         count = batch["input_ids"].shape[0]
         return list(range(count))[dp_slice(count, self.groups.layout.dp, self.groups.dp_rank)]
 
-    def _forward(self, model, batch: dict, head) -> torch.Tensor | None:
+    def _forward(self, model, batch: dict, head, hidden_states: bool = False) -> torch.Tensor | None:
         size = self.config.actor.ppo_micro_batch_size_per_rank
         micro = micro_batches(batch, self._mine(batch), size, pack_capacity=self.pack_capacity)
-        outputs = pipeline_forward(model, self.groups, micro, head)
+        outputs = pipeline_forward(model, self.groups, micro, head, hidden_states)
         if not outputs:
             return None
         width = batch["input_ids"].shape[1]
@@ -254,11 +256,27 @@ class PPOWorker:
         """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
         for the ones not asked for)."""
         temperature = scoring_temperature(self.config.rollout.temperature)
-        head = lambda out, b: (grid_logprobs(out, b, self.arch.vocab_size, self.groups,  # noqa: E731
-                                             temperature) * grid_tensor(b, "loss_mask"))
-        old = self._forward(self.actor.module, batch, head) if old else None
-        ref = self._forward(self.ref, batch, head) if ref else None
+
+        def log_probs(model):
+            head = self._output_head(model)
+            if head is None:
+                score = lambda out, b: (grid_logprobs(out, b, self.arch.vocab_size, self.groups,  # noqa: E731
+                                                      temperature) * grid_tensor(b, "loss_mask"))
+                return self._forward(model, batch, score)
+            score = lambda out, b: loss_positions_logprobs(out, b, head, temperature)[0]  # noqa: E731
+            return self._forward(model, batch, score, hidden_states=True)
+
+        old = log_probs(self.actor.module) if old else None
+        ref = log_probs(self.ref) if ref else None
         return self._output((old, ref))
+
+    def _output_head(self, model):
+        """The chunked output head of ``model`` (``actor.logprob_chunk_tokens``); None when full
+        logits are asked for, or on a stage without the output layer."""
+        chunk = self.config.actor.logprob_chunk_tokens
+        if not chunk or not self.groups.is_last_stage:
+            return None
+        return output_head(model, self.arch.vocab_size, self.groups.tp, self.groups.tp_rank, chunk)
 
     def compute_values(self, batch: Experience) -> tuple | None:
         """Critic values ``[n_mine, T]`` and reward-model scores ``[n_mine]`` (or None)."""
@@ -273,7 +291,8 @@ class PPOWorker:
         return self._output((values, scores))
 
     # ----------------------------------------------------------------------------- updates
-    def _update(self, trainable, batch: dict, epochs: int, step: int, loss, keys, denominator):
+    def _update(self, trainable, batch: dict, epochs: int, step: int, loss, keys, denominator,
+                hidden_states: bool = False):
         """``epochs`` passes of mini-batch optimizer steps over the whole batch."""
         cfg, g = self.config, self.groups
         count = batch["input_ids"].shape[0]
@@ -290,7 +309,8 @@ class PPOWorker:
                 micro = micro_batches(batch, mine, plan.per_micro_batch, {"loss_weight": weight},
                                       self.pack_capacity)
                 # Inf/NaN comes back as metrics: the driver's guard rolls the step back.
-                result = train_step(trainable, micro, loss, raise_on_nonfinite=False)
+                result = train_step(trainable, micro, loss, raise_on_nonfinite=False,
+                                    hidden_states=hidden_states)
                 sums.append(reduce_metrics(result.metrics, g, keys)
                             | {"grad_norm": result.grad_norm, "lr": result.lr, **result.moe})
         return sums
@@ -302,12 +322,14 @@ class PPOWorker:
         agent trained on the same table."""
         cfg = self.config.actor
         digest = population_advantages(batch) if "preferences" in batch else None
+        head = self._output_head(self.actor.module)
         loss = lambda out, b: actor_loss(out, b, vocab_size=self.arch.vocab_size,  # noqa: E731
                                          groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
                                          temperature=scoring_temperature(self.config.rollout.temperature),
-                                         horizon=self.horizon)
+                                         horizon=self.horizon, head=head)
         sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
-                            lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode))
+                            lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
+                            hidden_states=bool(cfg.logprob_chunk_tokens))
         out = _average(sums, "actor")
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
