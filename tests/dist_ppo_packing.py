@@ -166,6 +166,35 @@ def lean_memory(folder: Path, results: dict) -> None:
                                            "logits_bytes": max_over_world(logits_bytes)}
 
 
+def attention_parity(root: Path, results: dict) -> None:
+    """The model's SDPA core attention against megatron's local kernel on the same module: GQA
+    (2 query heads per KV head), causal and with a packed block-diagonal mask, outputs and the
+    gradients of q, k and v."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_rlhf.data.packing import pack_sequences
+
+    for label, layout in (("tp1", (1, 1)), ("tp2", (2, 1))):
+        model, groups, arch = from_hf(root / "qwen2_policy", layout)
+        core = model.decoder.layers[0].self_attention.core_attention
+        heads, groups_kv = core.num_attention_heads_per_partition, core.num_query_groups_per_partition
+        generator = torch.Generator().manual_seed(5)
+        mask = pack_sequences([[1] * 7, [1] * 5, [1] * 9], 21, 0).attention_mask  # [1, 1, 21, 21]
+        diffs = []
+        for attention_mask in (None, mask.expand(2, 1, 21, 21)):
+            q = torch.randn(21, 2, heads, core.hidden_size_per_attention_head, generator=generator)
+            k, v = (torch.randn(21, 2, groups_kv, q.shape[-1], generator=generator) for _ in "kv")
+            outputs = []
+            for forward in (type(core).forward, DotProductAttention.forward):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = forward(core, *leaves, attention_mask)
+                out.square().sum().backward()
+                outputs.append([out, *(t.grad for t in leaves)])
+            diffs += [float((a - b).abs().max() / b.abs().max().clamp(min=1)) for a, b in zip(*outputs)]
+        results[f"attention/{label}"] = {"relative_diff": max_over_world(max(diffs)), "gqa": heads // groups_kv,
+                                         "kind": type(core).__name__}
+
+
 def main() -> None:
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     dist = init_distributed()
@@ -181,6 +210,7 @@ def main() -> None:
                 "metrics_padded": padded[1], "metrics_packed": packed[1],
                 "grad_norm": [padded[2], packed[2]], "rows": [padded[3], packed[3]]}
     lean_parity(root, results)
+    attention_parity(root, results)
     lean_memory(big_vocab_policy(out), results)
     if dist.rank == 0:
         out.write_text(json.dumps(results, indent=2))

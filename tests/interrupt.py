@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VOLATILE = ("timing/", "throughput/")
+VOLATILE = ("timing/", "throughput/", "busy/")  
 
 
 def launch(args: list[str], log: Path) -> subprocess.Popen:

@@ -40,6 +40,20 @@ def test_logprobs_are_the_tempered_teacher_forced_ones(engine_and_reference, tem
         assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-5), (g, expected)
 
 
+def test_without_logprobs_the_same_samples_and_no_log_softmax(engine_and_reference, monkeypatch):
+    engine, _ = engine_and_reference
+    params = SamplingParams(max_tokens=6, temperature=0.9, n=2, seed=11)
+    with_logprobs = engine.generate(PROMPTS, params)
+    calls = []
+    real = torch.log_softmax
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    without = engine.generate(PROMPTS, SamplingParams(**{**params.__dict__, "logprobs": False}))
+    assert [g.tokens for g in without] == [g.tokens for g in with_logprobs]
+    assert all(g.logprobs == [] for g in without) and not calls
+    engine.generate(PROMPTS, params)
+    assert calls  # the recorder's log_softmax is what the flag skips
+
+
 def _teacher_forced(model, batch, temperature):
     """``log p(target)`` of every position of ``batch`` under ``model`` (the target grid)."""
     with torch.no_grad():

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-VOLATILE = ("timing/", "throughput/")
+VOLATILE = ("timing/", "throughput/", "busy/")  
 
 
 @pytest.fixture(scope="module")

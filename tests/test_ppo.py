@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-VOLATILE = ("timing/", "throughput/")
+VOLATILE = ("timing/", "throughput/", "busy/")  
 
 
 @pytest.fixture(scope="module")
@@ -495,8 +495,9 @@ def test_one_step_off_policy_on_a_separate_rollout_group(workspace, tmp_path):
               "trainer.eval_every_steps=0", "trainer.val_before_train=false")
     frozen = ("actor.optim.lr=1e-30", "actor.optim.min_lr=1e-30")
     runs = {}
+    kept = ("trainer.save_every_steps=1", "trainer.keep_last_n=5", "trainer.rollout_data_dir=rollouts")
     for name, extra in {"on_policy_frozen": frozen, "off_frozen": (*frozen, "rollout.max_staleness=1"),
-                        "off": ("rollout.max_staleness=1",)}.items():
+                        "off": ("rollout.max_staleness=1", *kept)}.items():
         out = tmp_path / name
         code, stdout, stderr = finish(ppo(overrides(workspace, out, *common, *extra)))
         assert code == 0, stdout[-3000:] + stderr[-3000:]
@@ -514,3 +515,41 @@ def test_one_step_off_policy_on_a_separate_rollout_group(workspace, tmp_path):
         assert row["rollout/logprob_diff_max"] > 1e-3  # sampled by the previous weights
         assert row["rollout/is_weight_mean"] != 1.0  # corrected (auto: token TIS)
         assert row["timing/overlap"] > 0  # generated while the previous step updated
+        assert 0 < row["busy/rollout"] <= 1 and 0 < row["busy/trainers"] <= 1
+    # Batch k was sampled by the weights of step k - 1: the engine's log-probs are those weights'
+    # (teacher-forced by transformers on the base model / the step-1 checkpoint), not step k's.
+    import torch
+
+    from megatron_rlhf.cli import main
+
+    weights = {0: workspace / "base"}
+    for step in (1, 2):
+        weights[step] = tmp_path / f"hf_{step}"
+        assert main(["convert", "mcore-to-hf", "--mcore-dir",
+                     str(tmp_path / "off" / "checkpoints" / "actor" / f"step_{step:08d}"),
+                     "--out-dir", str(weights[step])]) == 0
+    for step in (1, 2):
+        dump = (tmp_path / "off" / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in dump]
+        assert {r["weight_version"] for r in rows} == {step - 1}
+        engine = torch.tensor([lp for r in rows for lp in r["logprobs"]])
+        previous, current = (teacher_forced(weights[v], rows) for v in (step - 1, step))
+        assert (engine - previous).abs().max() < 1e-5
+        assert (engine - current).abs().max() > 1e-3
+
+
+def teacher_forced(hf_dir: Path, rows: list[dict]):
+    """log p(response token) of every dumped sample under the model in ``hf_dir`` (temperature 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+            start = len(r["prompt_ids"]) - 1
+            out.append(logp[start:start + len(r["response_ids"])]
+                       .gather(-1, torch.tensor(r["response_ids"])[:, None])[:, 0])
+    return torch.cat(out)

@@ -75,3 +75,10 @@ def test_lean_update_allocates_no_tokens_by_vocabulary_logits(packing_results, l
     result = packing_results[f"lean_memory/{layout}"]
     assert result["full"] >= result["logits_bytes"] > 0
     assert result["lean"] < result["logits_bytes"] / 2
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_sdpa_core_attention_matches_megatrons_local_kernel(packing_results, layout):
+    result = packing_results[f"attention/{layout}"]
+    assert result["kind"] == "SDPADotProductAttention" and result["gqa"] == 2
+    assert 0 <= result["relative_diff"] < 1e-5  # of the largest output or gradient (or 1)

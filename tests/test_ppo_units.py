@@ -357,3 +357,14 @@ def test_the_experience_batch_holds_only_declared_fields():
             "preferences", "population_group", "population_rows"} <= EXPERIENCE_FIELDS
     with pytest.raises(TypeError, match=r"step 3, agent a: .*undeclared field\(s\) \['scores'\]"):
         check_experience({**batch, "scores": torch.zeros(2)}, "step 3, agent a")
+
+
+def test_busy_fractions_count_a_separate_groups_generation_apart():
+    from megatron_rlhf.trainers.rl.ahead import busy_fractions
+
+    timing = {"timing/gen": 2.0, "timing/update_actor": 3.0, "timing/sync": 1.0, "timing/overlap": 1.5}
+    assert busy_fractions(timing, 8.0, separate=False) == {"busy/trainers": 0.75}
+    # Separate: the trainers only waited for the generation; the rollout group's own span counts.
+    assert busy_fractions(timing | {"busy/rollout_seconds": 4.0}, 8.0, separate=True) == {
+        "busy/trainers": 0.5, "busy/rollout": 0.5}
+    assert busy_fractions(timing, 8.0, separate=True)["busy/rollout"] == 0.25

@@ -319,6 +319,10 @@ class PPOTrainerConfig(TrainerConfig):
     updates see a value baseline that has already fit the reward's scale."""
     val_before_train: bool = True
     """Validate the starting policy, so the first and last validation rows compare."""
+    rollout_data_dir: Optional[str] = None
+    """Write every step's samples here (``step_<n>.jsonl``, one line a sample: prompt and
+    response token ids, the engine's log-probs, the score, the weight version that sampled it),
+    as verl's option of the same name; relative paths are under ``output_dir``."""
 
 
 @dataclass

@@ -8,6 +8,8 @@ megatron-core's local specs otherwise.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -26,14 +28,49 @@ def uses_transformer_engine() -> bool:
     return has_transformer_engine()
 
 
+@functools.cache
+def sdpa_core_attention():
+    """megatron-core's local core attention with ``torch.nn.functional.scaled_dot_product_attention``
+    as its kernel: the local one materialises the ``[b, heads, s, s]`` scores (and their softmax
+    and its gradient) and copies K/V once per query head for GQA; SDPA's fused CPU and GPU
+    kernels do neither. Megatron's own path still runs where SDPA cannot reproduce it (attention
+    dropout while training, a learnable softmax offset, query-key layer scaling)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class SDPADotProductAttention(DotProductAttention):
+        def _megatron_only(self) -> bool:
+            dropout = self.training and self.attention_dropout.p > 0
+            return (dropout or self.softmax_offset is not None
+                    or self.config.apply_query_key_layer_scaling)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            if self._megatron_only() or attention_bias is not None or packed_seq_params is not None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias, packed_seq_params)
+            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            # [s, b, heads, d] -> [b, heads, s, d]; a given mask (True = may not attend, causal
+            # already folded in) wins over the causal type, as in megatron's softmax.
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            allowed = None if attention_mask is None else ~attention_mask
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, is_causal=causal and allowed is None and q.shape[2] > 1,
+                scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+            context = context.permute(2, 0, 1, 3).contiguous()
+            return context.view(*context.shape[:2], self.hidden_size_per_partition)
+
+    return SDPADotProductAttention
+
+
 def _mla_core_attention():
     """megatron-core 0.16.1's MLA passes ``k_channels``/``v_channels`` to its core attention, which
     only TE's accepts (``TypeError`` with the local one); MLA's value heads are ``v_head_dim``
     wide, not ``kv_channels``, so the local attention's output is sized by them."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.utils import divide
 
-    class MLADotProductAttention(DotProductAttention):
+    class MLADotProductAttention(sdpa_core_attention()):
         def __init__(self, config, layer_number, attn_mask_type, attention_type,
                      attention_dropout=None, softmax_scale=None, k_channels=None,
                      v_channels=None, cp_comm_type=None, pg_collection=None):
@@ -60,8 +97,8 @@ def _layer_spec(arch: ModelArch, moe_layer: bool):
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm,
         multi_latent_attention=mla, normalization="RMSNorm")
-    if mla:
-        spec.submodules.self_attention.submodules.core_attention = _mla_core_attention()
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = _mla_core_attention() if mla else sdpa_core_attention()
     return spec
 
 

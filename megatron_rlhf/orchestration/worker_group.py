@@ -214,6 +214,11 @@ class WorkerGroup:
 _GRACE_S = 5.0
 
 
+def stitch(results: list) -> list:
+    """Per-rank ``(dp_rank, value)`` results (``None`` from non-output ranks) in DP order."""
+    return [value for _, value in sorted((r for r in results if r is not None), key=lambda r: r[0])]
+
+
 def _failures(done: list, refs: list) -> list[tuple[int, Exception]]:
     """(rank, error) for each finished call in ``done`` that raised or whose rank died."""
     import ray

@@ -27,6 +27,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     """Generation of a sample ends after any of these (EOS is always one)."""
     seed: int = 0
+    logprobs: bool = True
+    """Record ``Generation.logprobs``; without, they are empty and the engine skips the
+    full-vocabulary ``log_softmax`` of every decode step."""
 
 
 @dataclass

@@ -155,7 +155,7 @@ class HFGenerator:
         # The distribution sampled from, as the trainer scores it (top-k/p cut aside).
         recorder = _ChosenLogprobs(params.temperature if sample else 1.0)
         hooks = [self.model.register_forward_pre_hook(recorder.before_step, with_kwargs=True),
-                 self.model.register_forward_hook(recorder.after_step)]
+                 self.model.register_forward_hook(recorder.after_step)] if params.logprobs else []
         try:
             result = self.model.generate(input_ids=ids.to(self.device),
                                          attention_mask=mask.to(self.device), **kwargs)
@@ -163,7 +163,7 @@ class HFGenerator:
             for hook in hooks:
                 hook.remove()
         new = result.sequences[:, width:]
-        chosen = recorder.finish(new[:, -1]).cpu()
+        chosen = recorder.finish(new[:, -1]).cpu() if params.logprobs else None
         new = new.cpu()
         out = []
         for r, i in enumerate(rows):
@@ -172,7 +172,8 @@ class HFGenerator:
                 if token in stops:
                     tokens, finished = tokens[:k + 1], True
                     break
-            out.append(Generation(i, tokens, chosen[r, :len(tokens)].tolist(), finished))
+            logprobs = chosen[r, :len(tokens)].tolist() if chosen is not None else []
+            out.append(Generation(i, tokens, logprobs, finished))
         return out
 
 

@@ -33,6 +33,9 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.rewards.registry import RewardFunction
 from megatron_rlhf.rewards.scorer import RewardScorer
 from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.orchestration.worker_group import stitch
+from megatron_rlhf.rollout.engines import stitched
+from megatron_rlhf.trainers.rl.ahead import GenerationAhead
 from megatron_rlhf.trainers.loop import epoch_order
 from megatron_rlhf.trainers.rl.experience import Experience, build_batch, sample_kl, token_kl
 from megatron_rlhf.trainers.rl.worker import PPOWorker
@@ -55,35 +58,11 @@ def kl_controller(cfg: PPOConfig):
     return FixedKLController(k.kl_coef)
 
 
-def stitch(results: list) -> list:
-    """Per-rank ``(dp_rank, value)`` results (``None`` from non-output ranks) in DP order."""
-    return [value for _, value in sorted((r for r in results if r is not None), key=lambda r: r[0])]
-
-
 def cat_rows(parts: list) -> torch.Tensor | None:
     """Data-parallel ranks' row blocks in order; ``None`` from a rank with no rows (fewer rows
     than ranks) or when nobody computed this output."""
     present = [p for p in parts if p is not None]
     return torch.cat(present) if present else None
-
-
-@dataclass
-class InFlight:
-    """A step's generation started ahead on the separate rollout group."""
-
-    refs: list  # the rollout ranks' result references
-    version: int  # the step whose weights the engines held when it started
-    started_at: int  # the step whose update it overlaps
-
-
-def _stitched(per_replica: list) -> list[Generation]:
-    """The engines' ``(index, generations)`` in engine order, prompt indices made global."""
-    out, offset = [], 0
-    for part in stitch(per_replica):
-        for g in part:
-            out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
-        offset += len({g.prompt_index for g in part})
-    return out
 
 
 def engine_logprobs(gens: list[Generation], loss_mask: torch.Tensor) -> torch.Tensor:
@@ -98,7 +77,7 @@ def engine_logprobs(gens: list[Generation], loss_mask: torch.Tensor) -> torch.Te
 
 
 @dataclass
-class PPORun:
+class PPORun(GenerationAhead):
     cfg: PPOConfig
     actor: object  # WorkerGroup with the actor role
     critic: object  # WorkerGroup with the critic role: its own, the actor's, or a judge's
@@ -201,53 +180,6 @@ class PPORun:
         prompts = self.step_prompts(step)
         return prompts[:len(prompts) - len(self.offline_groups(step))]
 
-    # ------------------------------------------------------------------ generation ahead
-    def staleness(self, step: int, version: int) -> dict[str, float]:
-        """``rollout/staleness`` of a batch sampled by the weights of step ``version``, checked
-        against ``rollout.max_staleness`` (a larger age is a scheduling bug, not a setting)."""
-        age = step - version
-        if not 0 <= age <= self.cfg.rollout.max_staleness:
-            raise RuntimeError(f"step {step + 1}: its samples come from the weights of step "
-                               f"{version}, {age} updates old; rollout.max_staleness="
-                               f"{self.cfg.rollout.max_staleness}")
-        return {"rollout/staleness": float(age)} if self.rollout_group is not None else {}
-
-    def start_ahead(self, step: int) -> None:
-        """``rollout.max_staleness = k > 0``: the separate rollout group starts generating the
-        steps up to ``step + k`` with the weights it holds, while ``step`` updates (the next
-        weight sync queues behind them on its ranks)."""
-        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
-
-        last = min(step + self.cfg.rollout.max_staleness, self.total_steps - 1)
-        for ahead in range(step + 1, last + 1):
-            if ahead not in self.inflight:
-                ids = [list(p.ids) for p in self.online_prompts(ahead)]
-                refs = self.rollout_group.submit(RolloutWorker.generate, ids, self.sampling(ahead))
-                self.inflight[ahead] = InFlight(refs, self.engine_version, step)
-
-    def take_ahead(self, step: int) -> dict | None:
-        """The generations started ahead for ``step`` (with their staleness and overlap), or
-        None when none were."""
-        flight = self.inflight.pop(step, None)
-        if flight is None:
-            return None
-        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
-
-        per_replica = self.rollout_group._get(flight.refs, "generate")
-        spans = [s for s in self.rollout_group.call(RolloutWorker.span, self.sampling(step).seed) if s]
-        start, end = min(s[0] for s in spans), max(s[1] for s in spans)
-        update = self.update_spans.get(flight.started_at, (0.0, 0.0))
-        overlap = max(0.0, min(end, update[1]) - max(start, update[0]))
-        return {"gens": _stitched(per_replica), "timing/overlap": overlap,
-                **self.staleness(step, flight.version)}
-
-    def cancel_ahead(self) -> None:
-        """Drop generations started ahead (a rollback or restore changes the weights they were
-        meant to follow); their ranks finish them first, in order."""
-        for flight in self.inflight.values():
-            self.rollout_group._get(flight.refs, "generate")
-        self.inflight.clear()
-
     def offline_groups(self, step: int) -> list:
         """This step's share of offline prompt groups (``data.offline_fraction``), drawn without
         replacement by a generator seeded with the step (a resumed run draws the same)."""
@@ -300,7 +232,14 @@ class PPORun:
                               temperature=r.val_temperature if validation else r.temperature,
                               top_p=1.0 if validation else r.top_p,
                               top_k=0 if validation else r.top_k, n=1 if validation else r.n,
-                              stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step)
+                              stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step,
+                              logprobs=not validation and self.reads_engine_logprobs())
+
+    def reads_engine_logprobs(self) -> bool:
+        """Whether anything reads the engine's log-probs: the bypass (they are the old ones) or
+        the old-log-prob pass (the mismatch metric and the rollout correction)."""
+        bypass = self.cfg.algorithm.rollout_correction.bypass
+        return bypass or not reuses_update_log_probs(self.cfg)
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, turns: int = 1) -> list[Generation]:
         """``params.n`` samples per prompt; with ``turns > 1`` multi-turn ones (see
@@ -334,8 +273,8 @@ class PPORun:
         if self.rollout_group is not None:
             from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
 
-            return _stitched(self.rollout_group.call(RolloutWorker.generate, ids, params))
-        return _stitched(self.actor.call(PPOWorker.generate, ids, params, release))
+            return stitched(self.rollout_group.call(RolloutWorker.generate, ids, params))
+        return stitched(self.actor.call(PPOWorker.generate, ids, params, release))
 
     # ------------------------------------------------------------------ scoring and experience
     def scores(self, prompts: list[Prompt], gens: list[Generation], batch: Experience) -> dict:
@@ -624,7 +563,8 @@ def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> 
     else:
         run.collect_saves()  # asynchronous saves that finished meanwhile
     if run.stop is not None:
-        run.stop.observe(step_s=sum(v for k, v in metrics.items() if k.startswith("timing/")))
+        run.stop.observe(step_s=sum(v for k, v in metrics.items()
+                                    if k.startswith("timing/") and k != "timing/overlap"))
     if run.step < run.total_steps and (reason := run.stop_reason()):
         run.stop_now(reason)
 

@@ -11,10 +11,13 @@ weight sync.
 
 from __future__ import annotations
 
+import time
+
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainers.rl.placement import setup, shutdown
 from megatron_rlhf.trainers.rl.agent import Timer, close_step
+from megatron_rlhf.trainers.rl.ahead import busy_fractions
 from megatron_rlhf.trainers.rl.run import RLRun, finish
 
 
@@ -22,7 +25,7 @@ def fit(run: RLRun) -> dict[str, float]:
     """The RL loop. Every phase is a method of ``run``, its mode or its agents; ``timing/*``
     per phase."""
     while run.step < run.total_steps:
-        timer = Timer()
+        timer, started = Timer(), time.time()
         episodes, metrics = run.mode.play(run, run.step, timer)  # generate, score
         metrics |= run.reward_metrics()  # errors, timeouts and extras of the step's calls
         updates = {name: run.update(name, episode, timer) for name, episode in episodes.items()}
@@ -39,6 +42,8 @@ def fit(run: RLRun) -> dict[str, float]:
             metrics |= run.named(name, u.metrics | kl)
         run.step += 1
         metrics |= timer
+        separate = run.cfg.rollout.placement == "separate"
+        metrics |= busy_fractions(metrics, time.time() - started, separate)
         close_step(run, metrics, sum(len(e.gens) for e in episodes.values()),
                    float(sum(e.batch["lengths"].sum() for e in episodes.values())), run.shown(metrics))
     return run.history[-1] if run.history else {}

@@ -21,6 +21,7 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import RunStopped, UserError
 from megatron_rlhf.trainers.lifecycle import MetricsFile, mark_finished
 from megatron_rlhf.trainers.rl.agent import rollback_target, summarize_rollout
+from megatron_rlhf.trainers.rl.ahead import dump_rollouts
 from megatron_rlhf.trainers.rl.experience import check_experience, compute_advantages
 from megatron_rlhf.trainers.rl.worker import PPOWorker
 
@@ -113,6 +114,10 @@ class RLRun:
             trained |= ranks[0]
         metrics |= trained | episode.metrics | summarize_rollout(episode.gens, episode.scored, batch, adv)
         agent.update_spans = {step: (started, time.time())}  # what generation ahead overlapped
+        if agent.cfg.trainer.rollout_data_dir:
+            folder = agent.out / agent.cfg.trainer.rollout_data_dir
+            age = int(episode.metrics.get("rollout/staleness", 0))
+            dump_rollouts(folder, step, episode, step - age)
         return Update(metrics, trained, adv, digests)
 
     def check_tables(self, updates: dict[str, Update], metrics: dict) -> None:

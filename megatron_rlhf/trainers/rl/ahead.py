@@ -1,0 +1,102 @@
+"""Generation ahead (``rollout.max_staleness = k > 0`` with a separate rollout group): the
+rollout ranks generate the next ``k`` steps' samples with the weights they hold while the
+trainers update, and every batch is checked for its age (weight versions behind the trainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rlhf.rollout.engines import stitched
+
+
+@dataclass
+class InFlight:
+    """A step's generation started ahead on the separate rollout group."""
+
+    refs: list  # the rollout ranks' result references
+    version: int  # the step whose weights the engines held when it started
+    started_at: int  # the step whose update it overlaps
+
+
+class GenerationAhead:
+    """:class:`megatron_rlhf.trainers.rl.agent.PPORun`'s generation ahead. It uses the run's
+    ``cfg``, ``rollout_group``, ``engine_version``, ``inflight``, ``update_spans``,
+    ``total_steps``, ``online_prompts`` and ``sampling``."""
+
+    def staleness(self, step: int, version: int) -> dict[str, float]:
+        """``rollout/staleness`` of a batch sampled by the weights of step ``version``, checked
+        against ``rollout.max_staleness`` (a larger age is a scheduling bug, not a setting)."""
+        age = step - version
+        if not 0 <= age <= self.cfg.rollout.max_staleness:
+            raise RuntimeError(f"step {step + 1}: its samples come from the weights of step "
+                               f"{version}, {age} updates old; rollout.max_staleness="
+                               f"{self.cfg.rollout.max_staleness}")
+        return {"rollout/staleness": float(age)} if self.rollout_group is not None else {}
+
+    def start_ahead(self, step: int) -> None:
+        """``rollout.max_staleness = k > 0``: the separate rollout group starts generating the
+        steps up to ``step + k`` with the weights it holds, while ``step`` updates (the next
+        weight sync queues behind them on its ranks)."""
+        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+        last = min(step + self.cfg.rollout.max_staleness, self.total_steps - 1)
+        for ahead in range(step + 1, last + 1):
+            if ahead not in self.inflight:
+                ids = [list(p.ids) for p in self.online_prompts(ahead)]
+                refs = self.rollout_group.submit(RolloutWorker.generate, ids, self.sampling(ahead))
+                self.inflight[ahead] = InFlight(refs, self.engine_version, step)
+
+    def take_ahead(self, step: int) -> dict | None:
+        """The generations started ahead for ``step`` (with their staleness and overlap), or
+        None when none were."""
+        flight = self.inflight.pop(step, None)
+        if flight is None:
+            return None
+        from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
+
+        per_replica = self.rollout_group._get(flight.refs, "generate")
+        spans = [s for s in self.rollout_group.call(RolloutWorker.span, self.sampling(step).seed) if s]
+        start, end = min(s[0] for s in spans), max(s[1] for s in spans)
+        update = self.update_spans.get(flight.started_at, (0.0, 0.0))
+        overlap = max(0.0, min(end, update[1]) - max(start, update[0]))
+        return {"gens": stitched(per_replica), "timing/overlap": overlap,
+                "busy/rollout_seconds": end - start,
+                **self.staleness(step, flight.version)}
+
+    def cancel_ahead(self) -> None:
+        """Drop generations started ahead (a rollback or restore changes the weights they were
+        meant to follow); their ranks finish them first, in order."""
+        for flight in self.inflight.values():
+            self.rollout_group._get(flight.refs, "generate")
+        self.inflight.clear()
+
+
+def busy_fractions(metrics: dict[str, float], step_seconds: float, separate: bool) -> dict[str, float]:
+    """Share of a step's wall time each worker group worked: ``busy/trainers`` (every timed phase
+    but a separate group's generation, which the trainers only wait for) and, with a separate
+    rollout group, ``busy/rollout`` (its generation: the batch's own, started ahead or not)."""
+    timing = {k: v for k, v in metrics.items() if k.startswith("timing/") and k != "timing/overlap"}
+    generation = sum(v for k, v in timing.items() if k.split("/")[1] == "gen")
+    trainers = sum(timing.values()) - (generation if separate else 0.0)
+    out = {"busy/trainers": min(1.0, trainers / step_seconds)}
+    if separate:
+        rollout = metrics.get("busy/rollout_seconds", generation)
+        out["busy/rollout"] = min(1.0, rollout / step_seconds)
+    return out
+
+
+def dump_rollouts(folder: Path, step: int, episode, version: int) -> None:
+    """``trainer.rollout_data_dir``: step ``step``'s samples as JSON lines (written whole, then
+    renamed, so a killed run never leaves half a file)."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    scores = episode.scored["score"].tolist()
+    lines = [json.dumps({"step": step, "prompt_ids": list(episode.prompts[g.prompt_index].ids),
+                         "response_ids": g.tokens, "logprobs": g.logprobs, "score": score,
+                         "weight_version": version})
+             for g, score in zip(episode.gens, scores)]
+    path = folder / f"step_{step}.jsonl"
+    path.with_suffix(".partial").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".partial").replace(path)
