@@ -26,7 +26,7 @@ from megatron_rlhf.rollout.base import Generation  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics, train_step  # noqa: E402
 from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
 from megatron_rlhf.trainers.rl.losses import actor_loss, grid_logprobs  # noqa: E402
-from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS, micro_batches  # noqa: E402
+from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS, micro_batches, token_groups  # noqa: E402
 from megatron_rlhf.data.packing import grid_tensor  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.models.output_head import output_head  # noqa: E402
@@ -58,14 +58,22 @@ def head(groups, vocab):
 
 
 def run(root: Path, layout, pack: int, agg: str, chunk: int = 0, name: str = "qwen2_policy",
-        sequence_parallel: bool = False) -> tuple:
-    """(log-probs, metric sums, grad norm, rows, gradients); ``chunk`` > 0: the lean path."""
+        sequence_parallel: bool = False, budget: int = 0) -> tuple:
+    """(log-probs, metric sums, grad norm, rows, gradients); ``chunk`` > 0: the lean path;
+    ``budget`` > 0: micro-batches packed to that many tokens (the log-probs then in that order)."""
     options = ModelOptions(sequence_parallel=sequence_parallel)
     model, groups, arch = from_hf(root / name, layout, options=options)
     batch = make_batch()
     rows = list(range(batch["input_ids"].shape[0]))
     mine = rows[groups.dp_rank::groups.layout.dp]
-    micro = micro_batches(batch, mine, 2, pack_capacity=pack)
+
+    def make(extra=None):
+        if not budget:
+            return micro_batches(batch, mine, 2, extra, pack)
+        return [micro_batches(batch, g, len(g), extra, CAPACITY)[0]
+                for g in token_groups(batch["lengths"], mine, budget)]
+
+    micro = make()
     out_head = (output_head(model, arch.vocab_size, groups.tp, groups.tp_rank, chunk)
                 if chunk else None)
     score = (head(groups, arch.vocab_size) if out_head is None
@@ -76,13 +84,12 @@ def run(root: Path, layout, pack: int, agg: str, chunk: int = 0, name: str = "qw
     cfg = ActorConfig(model_path="-", entropy_coeff=0.01, use_kl_loss=True, loss_agg_mode=agg)
     trainable = make_trainable(model, groups, cfg.optim, 1)
     denominator = (float(batch["loss_mask"].sum()) if agg == "token-mean" else float(len(rows)))
-    weight = 2 * groups.layout.dp / denominator  # two micro-batches per rank
+    weight = len(micro) * groups.layout.dp / denominator
     if out_head is not None:  # DDP wrapped the model: its head's weight is the same parameter
         out_head = output_head(trainable.model, arch.vocab_size, groups.tp, groups.tp_rank, chunk)
     loss = lambda out, b: actor_loss(out, b, vocab_size=arch.vocab_size, groups=groups, cfg=cfg,  # noqa: E731
                                      kl_loss_coef=0.1, temperature=1.0, horizon=16, head=out_head)
-    result = train_step(trainable, micro_batches(batch, mine, 2, {"loss_weight": weight}, pack), loss,
-                        hidden_states=bool(chunk))
+    result = train_step(trainable, make({"loss_weight": weight}), loss, hidden_states=bool(chunk))
     metrics = reduce_metrics(result.metrics, groups, ACTOR_KEYS)
     rows_used = sum(m["input_ids"].shape[0] for m in micro)
     grads = torch.cat([p.main_grad.flatten() for p in trainable.model.parameters()])
@@ -92,6 +99,19 @@ def run(root: Path, layout, pack: int, agg: str, chunk: int = 0, name: str = "qw
 LEAN = {"dp2": ((1, 1), "qwen2_policy", False), "tp2": ((2, 1), "qwen2_policy", False),
         "tp2_sp": ((2, 1), "qwen2_policy", True), "pp2": ((1, 2), "qwen2_policy", False),
         "tied_tp2": ((2, 1), "llama_policy", False), "tied_pp2": ((1, 2), "llama_policy", False)}
+
+
+def budget_parity(root: Path, results: dict) -> None:
+    """Micro-batches packed to 40 tokens (two or three a rank, of 1 to 4 samples) against
+    padded micro-batches of two samples: the same update."""
+    for label, layout in LAYOUTS.items():
+        padded = run(root, layout, 0, "token-mean")
+        packed = run(root, layout, 0, "token-mean", budget=40)
+        results[f"budget/{label}"] = {
+            "grad_diff": max_over_world(float((padded[4] - packed[4]).abs().max())),
+            "grad_abs_max": max_over_world(float(padded[4].abs().max())),
+            "metrics_padded": padded[1], "metrics_packed": packed[1],
+            "grad_norm": [padded[2], packed[2]], "rows": [padded[3], packed[3]]}
 
 
 def lean_parity(root: Path, results: dict) -> None:
@@ -210,6 +230,7 @@ def main() -> None:
                 "metrics_padded": padded[1], "metrics_packed": packed[1],
                 "grad_norm": [padded[2], packed[2]], "rows": [padded[3], packed[3]]}
     lean_parity(root, results)
+    budget_parity(root, results)
     attention_parity(root, results)
     lean_memory(big_vocab_policy(out), results)
     if dist.rank == 0:

@@ -82,3 +82,24 @@ def test_sdpa_core_attention_matches_megatrons_local_kernel(packing_results, lay
     result = packing_results[f"attention/{layout}"]
     assert result["kind"] == "SDPADotProductAttention" and result["gqa"] == 2
     assert 0 <= result["relative_diff"] < 1e-5  # of the largest output or gradient (or 1)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_token_budget_micro_batches_give_the_padded_update(packing_results, layout):
+    result = packing_results[f"budget/{layout}"]
+    assert result["rows"][1] < result["rows"][0]  # fewer, fuller micro-batches
+    assert 0 <= result["grad_diff"] < 1e-5 * max(1.0, result["grad_abs_max"])
+    padded, packed = result["metrics_padded"], result["metrics_packed"]
+    assert padded["tokens"] == packed["tokens"] > 0
+    for key in ("pg_loss", "entropy", "kl", "clipfrac", "ppo_kl"):
+        assert packed[key] == pytest.approx(padded[key], rel=1e-5, abs=1e-6), key
+
+
+def test_token_groups_fill_micro_batches_longest_first():
+    from megatron_rlhf.trainers.rl.worker import token_groups
+
+    lengths = torch.tensor([[16], [5], [23], [6], [18], [7], [14], [15], [50]])
+    groups = token_groups(lengths, list(range(9)), 40)
+    assert groups == [[8], [2, 0], [4, 7, 5], [6, 3, 1]]  # the 50-token row alone
+    assert sorted(r for g in groups for r in g) == list(range(9))
+    assert all(sum(int(lengths[r]) for r in g) <= 40 for g in groups[1:])

@@ -75,6 +75,15 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("trainer.log_every_steps", t.log_every_steps),
                         ("trainer.keep_last_n", t.keep_last_n)):
         check_positive(name, value)
+    if a.ppo_micro_batch_tokens_per_rank:
+        sample = d.max_prompt_length + d.max_response_length
+        if a.ppo_micro_batch_tokens_per_rank < sample:
+            raise UserError(f"actor.ppo_micro_batch_tokens_per_rank="
+                            f"{a.ppo_micro_batch_tokens_per_rank} cannot hold one sample of "
+                            f"data.max_prompt_length + data.max_response_length = {sample} tokens")
+        if not d.use_remove_padding:
+            raise UserError("actor.ppo_micro_batch_tokens_per_rank packs samples: it needs "
+                            "data.use_remove_padding=true")
     if a.logprob_chunk_tokens < 0:
         raise UserError(f"actor.logprob_chunk_tokens must be >= 0 (0: full logits), got "
                         f"{a.logprob_chunk_tokens}")

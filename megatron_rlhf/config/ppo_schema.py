@@ -153,6 +153,13 @@ class ActorConfig:
     """Samples per optimizer step, global."""
     ppo_micro_batch_size_per_rank: int = 16
     """Samples per forward/backward on one data-parallel rank."""
+    ppo_micro_batch_tokens_per_rank: int = 0
+    """With ``data.use_remove_padding``: tokens per forward/backward on one data-parallel rank
+    instead (verl's ``use_dynamic_bsz`` with ``ppo_max_token_len_per_gpu``): each rank's samples
+    are grouped first-fit, longest first, into micro-batches of at most this many tokens however
+    many samples that holds, each packed into rows of ``max_prompt + max_response`` tokens.
+    0: ``ppo_micro_batch_size_per_rank`` samples each.
+    Applies to the actor, reference, critic and reward passes alike."""
     ppo_epochs: int = 4
     """Passes over each step's samples."""
     logprob_chunk_tokens: int = 1024

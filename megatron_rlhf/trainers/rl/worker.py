@@ -105,6 +105,24 @@ def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = 
     return out
 
 
+def token_groups(lengths: torch.Tensor, rows: list[int], budget: int) -> list[list[int]]:
+    """``rows`` in micro-batches of at most ``budget`` tokens (``lengths [N, 1]``), first-fit
+    over rows sorted longest first (ties in row order, so every rank of a pipeline agrees); a row
+    longer than ``budget`` gets a micro-batch alone."""
+    size = {r: int(lengths[r]) for r in rows}
+    groups, room = [], []
+    for row in sorted(rows, key=lambda r: (-size[r], r)):
+        for index, free in enumerate(room):
+            if size[row] <= free:
+                groups[index].append(row)
+                room[index] -= size[row]
+                break
+        else:
+            groups.append([row])
+            room.append(budget - size[row])
+    return groups
+
+
 class PPOWorker:
     """Built by :class:`megatron_rlhf.orchestration.worker_group.WorkerGroup` after
     ``torch.distributed`` is up; ``roles`` is a subset of {"actor", "critic"}."""
@@ -242,15 +260,32 @@ class PPOWorker:
         count = batch["input_ids"].shape[0]
         return list(range(count))[dp_slice(count, self.groups.layout.dp, self.groups.dp_rank)]
 
-    def _forward(self, model, batch: dict, head, hidden_states: bool = False) -> torch.Tensor | None:
+    def _micro(self, batch: dict, rows: list[int], extra: dict | None = None):
+        """(micro-batches of ``rows``, the rows in their order): ``actor.ppo_micro_batch_size_per_rank``
+        samples each, or packed up to ``actor.ppo_micro_batch_tokens_per_rank`` tokens."""
+        budget = self.config.actor.ppo_micro_batch_tokens_per_rank
+        if budget and self.pack_capacity:
+            groups = token_groups(batch["lengths"], rows, budget)
+            # Rows stay one sample long at most: with a dense block-diagonal mask, attention
+            # costs the square of a row's length, so one row of the whole budget is slower.
+            micro = [micro_batches(batch, g, len(g), extra, self.pack_capacity)[0] for g in groups]
+            return micro, [r for g in groups for r in g]
         size = self.config.actor.ppo_micro_batch_size_per_rank
-        micro = micro_batches(batch, self._mine(batch), size, pack_capacity=self.pack_capacity)
+        return micro_batches(batch, rows, size, extra, self.pack_capacity), rows
+
+    def _forward(self, model, batch: dict, head, hidden_states: bool = False) -> torch.Tensor | None:
+        mine = self._mine(batch)
+        micro, order = self._micro(batch, mine)
         outputs = pipeline_forward(model, self.groups, micro, head, hidden_states)
         if not outputs:
             return None
         width = batch["input_ids"].shape[1]
-        return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() == 2 else o
-                          for o in outputs])
+        result = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() == 2 else o
+                            for o in outputs])
+        position = {row: index for index, row in enumerate(mine)}
+        unsorted = torch.empty_like(result)
+        unsorted[torch.tensor([position[row] for row in order])] = result
+        return unsorted
 
     def compute_log_probs(self, batch: Experience, old: bool = True, ref: bool = True) -> tuple | None:
         """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
@@ -304,10 +339,13 @@ class PPOWorker:
             order = torch.randperm(count, generator=generator).tolist()
             for start in range(0, count, plan.per_step):
                 rows = order[start:start + plan.per_step]
-                weight = plan.micro_batches_per_step * g.layout.dp / denominator(batch, rows)
                 mine = rows[dp_slice(len(rows), g.layout.dp, g.dp_rank)]
-                micro = micro_batches(batch, mine, plan.per_micro_batch, {"loss_weight": weight},
-                                      self.pack_capacity)
+                micro, _ = self._micro(batch, mine)
+                # Megatron divides each micro-batch's loss by this rank's micro-batch count and
+                # DDP averages over ranks: the weight undoes both (counts may differ by rank).
+                weight = len(micro) * g.layout.dp / denominator(batch, rows)
+                for m in micro:
+                    m["loss_weight"] = weight
                 # Inf/NaN comes back as metrics: the driver's guard rolls the step back.
                 result = train_step(trainable, micro, loss, raise_on_nonfinite=False,
                                     hidden_states=hidden_states)
