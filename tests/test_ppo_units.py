@@ -151,8 +151,6 @@ def _config(*overrides):
     (["algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.tis_level=geo"],
      "algorithm.rollout_correction.tis_level='geo' must be one of"),
     (["rollout.placement=elsewhere"], "rollout.placement='elsewhere' must be colocated or separate"),
-    (["rollout.backend=sglang", "rollout.placement=separate"],
-     "rollout.placement=separate is built for rollout.backend=hf only"),
     (["rollout.placement=separate", "rollout.world_size=3", "rollout.tp=2"],
      "rollout.tp=2 does not divide the separate rollout group's rollout.world_size=3 ranks"),
     (["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.critic_warmup=5"], "critic_warmup=5"),
@@ -179,6 +177,16 @@ def _config(*overrides):
 def test_bad_ppo_configs_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate_ppo_config(_config(*overrides))
+
+
+def test_sglang_engines_on_a_separate_rollout_group_are_accepted():
+    """The separate group's ranks receive the buckets over the bridge on their own GPUs and hand
+    them to SGLang as colocated ranks do (CUDA IPC); one-step-off works the same way."""
+    cfg = validate_ppo_config(_config("rollout.backend=sglang", "rollout.placement=separate",
+                                      "rollout.world_size=4", "rollout.tp=2",
+                                      "rollout.max_staleness=1"))
+    assert (cfg.rollout.backend, cfg.rollout.placement, cfg.rollout.max_staleness) == (
+        "sglang", "separate", 1)
 
 
 def test_layout_check_names_the_micro_batch():

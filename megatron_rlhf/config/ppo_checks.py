@@ -152,9 +152,6 @@ def _check_rollout_layout(cfg: PPOConfig) -> None:
     check_positive("rollout.world_size", r.world_size)
     if r.placement not in ("colocated", "separate"):
         raise UserError(f"config: rollout.placement={r.placement!r} must be colocated or separate")
-    if r.placement == "separate" and r.backend != "hf":
-        raise UserError("config: rollout.placement=separate is built for rollout.backend=hf only "
-                        "(SGLang engines on GPUs of their own are not done yet)")
     if r.max_staleness < 0 or (r.max_staleness and r.placement != "separate"):
         raise UserError(f"config: rollout.max_staleness={r.max_staleness} must be >= 0, and "
                         "> 0 only with rollout.placement=separate (colocated engines share the "
