@@ -1,8 +1,9 @@
 """Activation, logits and KV-cache bytes, from a :class:`ModelArch` and a workload.
 
 Two kernel sets. ``local`` is megatron-core's local layer spec, what runs on CPU (and on a GPU
-without Transformer Engine): its unfused attention keeps the ``s x s`` probabilities and K/V
-repeated for GQA, torch's RMSNorm keeps its input and the normalised input. Its counts are
+without Transformer Engine), with torch's SDPA as core attention (its fused kernel keeps no
+``s x s`` term; for MLA, whose q/k and v head sizes differ, SDPA's math path keeps the
+probabilities); torch's RMSNorm keeps its input and the normalised input. Its counts are
 derived from the tensors autograd saves and tested against saved-tensor hooks
 (tests/test_planner_memory.py, within 15%). ``te`` is the GPU production path (Transformer
 Engine, flash attention): Korthikanti et al. 2022, Table 2, as Megatron-LM's
@@ -52,8 +53,14 @@ def _attention_local(arch: ModelArch, w: Workload, mode: str) -> float:
         q = k = a * qh / t
         v = a * m.v_head_dim / t
         core_inputs, out = q + k + v, a * m.v_head_dim / t
-    if mode == "none":
-        kept += q + k + v + a * w.seq / t  # batched matmul inputs, softmax output
+    if mode == "none" and arch.mla is None:
+        # SDPA's fused kernel: RoPE's q and k (v is a view of the QKV output), its own output,
+        # and a float32 log-sum-exp per head; no s x s term
+        kept += q + g * d / t + a * d / t + a / t * 4 / w.element_bytes
+    elif mode == "none":
+        # MLA's q/k and v head sizes differ: SDPA takes its math path, which keeps the scaled q,
+        # k and the s x s probabilities
+        kept += q + k + v + a * w.seq / t
     else:
         kept += core_inputs  # what the recomputed core attention starts from
     return kept + out
@@ -97,7 +104,7 @@ def layer_bytes(arch: ModelArch, index: int, w: Workload, mode: str, kernels: st
     elements = _attention_local(arch, w, mode) + _mlp_local(arch, index, w)
     rope = arch.mla.qk_rope_head_dim if arch.mla else arch.head_dim
     per_sequence = 4 * w.seq * rope * w.element_bytes  # RoPE's cos/sin for q and k
-    mask = w.seq * w.seq if mode == "none" else 0  # the causal mask (bool)
+    mask = w.seq * w.seq if mode == "none" and arch.mla else 0  # SDPA's math path: causal mask
     return tokens * elements * w.element_bytes + per_sequence + mask + _fp32_softmax(arch, w, mode)
 
 
@@ -106,7 +113,7 @@ def _fp32_softmax(arch: ModelArch, w: Workload, mode: str) -> float:
     ``attention_softmax_in_fp32``, on by default) and keeps its fp32 output for backward beside
     the bf16 probabilities: 4 more bytes per score. Missing, the plan of a bf16 training step on
     an H200 was 25-35% short of ``torch.cuda.max_memory_allocated`` (docs/benchmarks.md)."""
-    if mode != "none" or w.element_bytes >= 4:
+    if mode != "none" or w.element_bytes >= 4 or arch.mla is None:  # SDPA's fused kernel: none
         return 0.0
     return w.batch * w.seq * arch.num_attention_heads / w.tp * w.seq * 4.0
 
@@ -135,7 +142,7 @@ def recompute_working_bytes(arch: ModelArch, w: Workload, mode: str, layers: ran
 def logits_bytes(arch: ModelArch, w: Workload, padded_vocab: int) -> float:
     """The last stage's output layer for one micro-batch: the logits (activation dtype), their
     fp32 copy and the fp32 softmax the cross-entropy keeps for backward (full vocabulary; the
-    chunked path of the issue "Past the synchronous floor" is not built yet)."""
+    RL update's lean path, ``actor.logprob_chunk_tokens``, keeps none of this: an upper bound there)."""
     if arch.kind == "value":
         return w.batch * w.seq * 4.0
     return w.batch * w.seq * padded_vocab / w.tp * (w.element_bytes + 8)

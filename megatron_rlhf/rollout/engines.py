@@ -9,7 +9,6 @@ from megatron_rlhf.config.ppo_schema import RolloutConfig
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import platform_is_cpu
 from megatron_rlhf.distributed.engine_placement import EngineSlot, engine_slots, rank_places
-from megatron_rlhf.orchestration.worker_group import stitch
 from megatron_rlhf.rollout.base import Generation
 
 
@@ -56,7 +55,7 @@ def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: 
 def stitched(per_replica: list) -> list[Generation]:
     """The engines' ``(index, generations)`` in engine order, prompt indices made global."""
     out, offset = [], 0
-    for part in stitch(per_replica):
+    for _, part in sorted((r for r in per_replica if r is not None), key=lambda r: r[0]):
         for g in part:
             out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
         offset += len({g.prompt_index for g in part})
