@@ -95,25 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rlhf", description=__doc__.splitlines()[0])
     jobs = parser.add_subparsers(dest="job", required=True)
 
-    convert = jobs.add_parser("convert", help="convert checkpoints between HF and Megatron")
-    direction = convert.add_subparsers(dest="direction", required=True)
-    to_mcore = direction.add_parser("hf-to-mcore", help="HF folder -> Megatron dist checkpoint")
-    to_mcore.add_argument("--hf-dir", required=True)
-    to_mcore.add_argument("--out-dir", required=True)
-    _add_layout(to_mcore)
-    to_mcore.add_argument("--no-verify", action="store_true",
-                          help="skip reading the checkpoint back and comparing it with the source")
-    to_hf = direction.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF folder")
-    to_hf.add_argument("--mcore-dir", required=True)
-    to_hf.add_argument("--out-dir", required=True)
-    to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
-                       help="largest safetensors file, e.g. 5GB or 200MB; also about the most "
-                            "weight memory each process holds")
-    to_hf.add_argument("--no-verify", action="store_true",
-                       help="skip reading each written file back and comparing it")
-    to_hf.add_argument("--nproc-per-node", type=_count, default=1,
-                       help="split the export over this many local processes (ignored under "
-                            "torchrun/srun)")
+    _add_convert(jobs)
 
     score = jobs.add_parser("score-rm", help="score prompt/chosen/rejected Parquet with a reward model")
     score.add_argument("--model-dir", required=True, help="Megatron reward-model checkpoint")
@@ -175,6 +157,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0,
                       help="seeds the tiny model's init and every stage's trainer (data stays fixed)")
     return parser
+
+
+def _add_convert(jobs) -> None:
+    """``convert hf-to-mcore`` and ``convert mcore-to-hf``."""
+    convert = jobs.add_parser("convert", help="convert checkpoints between HF and Megatron")
+    direction = convert.add_subparsers(dest="direction", required=True)
+    to_mcore = direction.add_parser("hf-to-mcore", help="HF folder -> Megatron dist checkpoint")
+    to_mcore.add_argument("--hf-dir", required=True)
+    to_mcore.add_argument("--out-dir", required=True)
+    _add_layout(to_mcore)
+    to_mcore.add_argument("--no-verify", action="store_true",
+                          help="skip reading the checkpoint back and comparing it with the source")
+    to_hf = direction.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF folder")
+    to_hf.add_argument("--mcore-dir", required=True)
+    to_hf.add_argument("--out-dir", required=True)
+    to_hf.add_argument("--max-shard-size", type=_size, default=5 * 2**30,
+                       help="largest safetensors file, e.g. 5GB or 200MB; also about the most "
+                            "weight memory each process holds")
+    to_hf.add_argument("--no-verify", action="store_true",
+                       help="skip reading each written file back and comparing it")
+    to_hf.add_argument("--nproc-per-node", type=_count, default=1,
+                       help="split the export over this many local processes (ignored under "
+                            "torchrun/srun)")
 
 
 def _validate_before_launch(args) -> None:

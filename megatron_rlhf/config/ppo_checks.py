@@ -75,18 +75,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
                         ("trainer.log_every_steps", t.log_every_steps),
                         ("trainer.keep_last_n", t.keep_last_n)):
         check_positive(name, value)
-    if a.ppo_micro_batch_tokens_per_rank:
-        sample = d.max_prompt_length + d.max_response_length
-        if a.ppo_micro_batch_tokens_per_rank < sample:
-            raise UserError(f"actor.ppo_micro_batch_tokens_per_rank="
-                            f"{a.ppo_micro_batch_tokens_per_rank} cannot hold one sample of "
-                            f"data.max_prompt_length + data.max_response_length = {sample} tokens")
-        if not d.use_remove_padding:
-            raise UserError("actor.ppo_micro_batch_tokens_per_rank packs samples: it needs "
-                            "data.use_remove_padding=true")
-    if a.logprob_chunk_tokens < 0:
-        raise UserError(f"actor.logprob_chunk_tokens must be >= 0 (0: full logits), got "
-                        f"{a.logprob_chunk_tokens}")
+    _check_actor_passes(cfg)
     _check_ranges(cfg)
     _choice("data.overlong", d.overlong, ("drop", "truncate"))
     _choice("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATORS)
@@ -142,6 +131,29 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
                         f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
     return cfg
+
+
+def _check_actor_passes(cfg: PPOConfig) -> None:
+    """Token-budget micro-batches and the chunked log-prob head."""
+    d, a = cfg.data, cfg.actor
+    if a.ppo_micro_batch_tokens_per_rank:
+        sample = d.max_prompt_length + d.max_response_length
+        if a.ppo_micro_batch_tokens_per_rank < sample:
+            raise UserError(f"actor.ppo_micro_batch_tokens_per_rank="
+                            f"{a.ppo_micro_batch_tokens_per_rank} cannot hold one sample of "
+                            f"data.max_prompt_length + data.max_response_length = {sample} tokens")
+        if not d.use_remove_padding:
+            raise UserError("actor.ppo_micro_batch_tokens_per_rank packs samples: it needs "
+                            "data.use_remove_padding=true")
+    if a.logprob_chunk_tokens < 0:
+        raise UserError(f"actor.logprob_chunk_tokens must be >= 0 (0: full logits), got "
+                        f"{a.logprob_chunk_tokens}")
+
+
+def reads_engine_logprobs(cfg: PPOConfig) -> bool:
+    """Whether anything reads the rollout engine's log-probs: the bypass (they are the old ones)
+    or the old-log-prob pass (the mismatch metric and the rollout correction)."""
+    return cfg.algorithm.rollout_correction.bypass or not reuses_update_log_probs(cfg)
 
 
 def _check_rollout_layout(cfg: PPOConfig) -> None:

@@ -26,7 +26,7 @@ from megatron_rlhf.algorithms.ppo import (AdaptiveKLController, FixedKLControlle
                                           explained_variance)
 from megatron_rlhf.algorithms.rollout_correction import mismatch, sequence_keep, tis_weights
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
-from megatron_rlhf.config.ppo_checks import reuses_update_log_probs, uses_critic, uses_reference
+from megatron_rlhf.config.ppo_checks import reads_engine_logprobs, uses_critic, uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
@@ -233,13 +233,7 @@ class PPORun(GenerationAhead):
                               top_p=1.0 if validation else r.top_p,
                               top_k=0 if validation else r.top_k, n=1 if validation else r.n,
                               stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step,
-                              logprobs=not validation and self.reads_engine_logprobs())
-
-    def reads_engine_logprobs(self) -> bool:
-        """Whether anything reads the engine's log-probs: the bypass (they are the old ones) or
-        the old-log-prob pass (the mismatch metric and the rollout correction)."""
-        bypass = self.cfg.algorithm.rollout_correction.bypass
-        return bypass or not reuses_update_log_probs(self.cfg)
+                              logprobs=not validation and reads_engine_logprobs(self.cfg))
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, turns: int = 1) -> list[Generation]:
         """``params.n`` samples per prompt; with ``turns > 1`` multi-turn ones (see
@@ -344,7 +338,7 @@ class PPORun(GenerationAhead):
         log-probs are from the actor's (a wrong weight sync shows up here first). Passes nothing
         uses are skipped: see :func:`uses_reference` and :func:`reuses_update_log_probs`."""
         bypass = self.cfg.algorithm.rollout_correction.bypass
-        need_old = not reuses_update_log_probs(self.cfg) and not bypass
+        need_old = reads_engine_logprobs(self.cfg) and not bypass
         need_ref = uses_reference(self.cfg)
         if bypass:  # the engine's log-probs are the old ones: no trainer pass for them
             batch["old_logprobs"] = engine_logprobs(gens, batch["loss_mask"])
