@@ -199,6 +199,45 @@ def engine_sync_parity(root: Path, results: dict) -> None:
         results[f"engine_share/{label}"] = engine.resident_bytes() / (4 * whole)
 
 
+# Every family trains: next-token loss over a fixed batch through megatron DDP + Adam (what SFT,
+# the reward model and PPO's actor and critic step with), at TP=2 x DP=2 with sequence
+# parallelism (megatron requires it for MoE with TP) and, for the MoE families, EP=2.
+TRAIN = {"qwen3": (2, 1), "llama3_rope": (2, 1), "qwen2_moe": (2, 1, None, 2),
+         "qwen3_moe": (2, 1, None, 2), "deepseek_v3": (2, 1, None, 2)}
+TRAIN_STEPS = 6
+
+
+def training(root: Path, results: dict) -> None:
+    from megatron_rlhf.config.schema import OptimConfig
+    from megatron_rlhf.models.forward import token_cross_entropy
+    from megatron_rlhf.models.megatron_config import ModelOptions
+    from megatron_rlhf.trainers.engine import make_trainable, train_step
+
+    rows = torch.randint(0, 250, (4, 24), generator=torch.Generator().manual_seed(3))
+    batches = [{"input_ids": rows[i:i + 2], "targets": torch.roll(rows[i:i + 2], -1, dims=1)}
+               for i in (0, 2)]
+    for name, layout in TRAIN.items():
+        model, groups, arch = from_hf(root / name, layout,
+                                      options=ModelOptions(sequence_parallel=True))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainable = make_trainable(model, groups, OptimConfig(lr=3e-3, warmup_steps_ratio=0.0),
+                                   total_steps=TRAIN_STEPS)
+
+        def loss_fn(output, batch):
+            loss = token_cross_entropy(output, batch["targets"], arch.vocab_size, groups).mean()
+            return loss, {"loss": loss.detach()}
+
+        losses = []
+        for _ in range(TRAIN_STEPS):
+            result = train_step(trainable, batches, loss_fn)
+            losses.append(sum(m["loss"].item() for m in result.metrics) / len(result.metrics))
+        moved = sum(int(not torch.equal(p.detach(), before[n])) for n, p in model.named_parameters())
+        results[f"train/{name}/first_loss"] = losses[0]
+        results[f"train/{name}/last_loss"] = losses[-1]
+        # Every parameter of this rank moved (experts included: each saw tokens).
+        results[f"train/{name}/unmoved_params"] = max_over_world(float(len(before) - moved))
+
+
 def main() -> None:
     root, workdir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     init_distributed()
@@ -208,6 +247,7 @@ def main() -> None:
     uneven_checkpoint(root, workdir, results)
     sync_parity(root, results)
     engine_sync_parity(root, results)
+    training(root, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
     dist.barrier()

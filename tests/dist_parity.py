@@ -82,7 +82,7 @@ def logits_parity(root: Path, results: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     tokens = torch.randint(0, 250, (3, 17), generator=torch.Generator().manual_seed(0))
-    for name in ("qwen2_policy", "llama_policy"):
+    for name in ("qwen2_policy", "llama_policy", "qwen2_tied"):
         hf = AutoModelForCausalLM.from_pretrained(root / name).eval()
         with torch.no_grad():
             reference = hf(tokens).logits

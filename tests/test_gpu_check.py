@@ -23,7 +23,14 @@ def test_gpu_check_runs_every_section_at_its_tiny_size(tmp_path):
     assert result["import"]["bf16"]["max_abs_diff"] < 0.05  # bf16 weights and activations
     losses = result["train"]["losses"]
     assert len(losses) == 4 and losses[-1] < losses[0]  # the same rows every step
-    assert 0 < result["train"]["mfu_vs_989"] < 1
+    # MFU's arithmetic (vs 989.4 dense bf16 TFLOPs): FLOPs per token from the config equal
+    # 6 x (the model's own decoder matmul weights + the LM head) + 12 x layers x hidden x seq.
+    train = result["train"]
+    head = train["hidden"] * train["vocab"]
+    attention = 12 * train["layers"] * train["hidden"] * train["seq"]
+    assert train["model_flops_per_token"] == 6 * (train["layer_matmul_params"] + head) + attention
+    expected = train["tokens_per_s"] * train["model_flops_per_token"] / 989.4e12
+    assert abs(train["mfu_vs_989"] - expected) <= 1e-9 * expected
     planned = result["train"]["planned_gib"]  # the planner's terms of the same step
     assert planned["weights"] > 0 and planned["logits"] > 0 and planned["total"] > planned["weights"]
     assert sorted(result["rollout"]) == ["hf_bf16", "hf_fp32"]  # no SGLang on CPU

@@ -137,7 +137,7 @@ def test_deepseek_v3_reward_model_trains_at_ep2(moe_workspaces, tmp_path):
     assert rows[-1]["moe/expert_bias_spread"] > 0
     assert sum(r["train/loss"] for r in rows[-2:]) < sum(r["train/loss"] for r in rows[:2])
     final = json.loads((out / "final_metrics.json").read_text())
-    assert 0 <= final["val/accuracy"] <= 1
+    assert final["step"] == 6 and "val/accuracy" in final  # validated after the last step
 
 
 def ppo(ws: Path, out: Path, *extra: str) -> list[dict]:

@@ -47,6 +47,21 @@ def test_math_reward_extracts_and_compares():
     assert math.score("no idea", "3") == (0.0, {"answer_found": 0.0})
 
 
+def test_math_reward_without_math_verify_is_refused_not_weakened(monkeypatch):
+    """Without math-verify, reward.fn=math would be string equality: refused in one line naming
+    the key and the [tasks] extra, at resolve time (start-up), and never scored quietly."""
+    from megatron_rlhf.errors import UserError
+    from megatron_rlhf.rewards import verifiable
+
+    monkeypatch.setattr(verifiable, "_math_verify", lambda: None)
+    with pytest.raises(UserError, match=r"reward.fn=math needs the math-verify.*\[tasks\]"):
+        resolve("math")
+    with pytest.raises(UserError, match=r"critic_fn=math needs"):
+        resolve("math", "critic_fn")
+    with pytest.raises(UserError, match="math-verify"):
+        verifiable.math_equal("\\frac{1}{2}", "0.5")
+
+
 def test_format_reward_matches_the_whole_response():
     fmt = resolve("format")
     assert fmt.score("<think>a\nb</think> <answer>4</answer>", "")[0] == 1.0

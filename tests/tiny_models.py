@@ -14,6 +14,7 @@ MODELS = {
     "llama_policy": ("llama", "policy", True, 4),  # tied embeddings, 4 KV heads so TP=4 is valid
     "qwen2_rm": ("qwen2", "value", False, 2),
     "llama_rm": ("llama", "value", True, 2),  # tie flag must be ignored for the scalar head
+    "qwen2_tied": ("qwen2", "policy", True, 4),  # Qwen2 tied (Qwen2.5-0.5B's way), at TP=4 too
 }
 POLICY_VOCAB = 250  # not a multiple of 4: padded to 256 in Megatron
 # name -> (family, kind, tiny_config overrides): a mixture-of-experts reward model of 3 layers

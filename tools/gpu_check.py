@@ -171,10 +171,16 @@ def check_train(hf_dir: Path, device: str, seq: int, micro: int, micro_batches: 
               f"{time.perf_counter() - start:.3f} s", flush=True)
     tokens = seq * micro * micro_batches
     step_s = sorted(times)[len(times) // 2]
-    tflops = model_flops_per_token(arch, seq) * tokens / step_s / 1e12
+    flops = model_flops_per_token(arch, seq)
+    tflops = flops * tokens / step_s / 1e12
+    # The decoder's matmul weights as the model holds them (2-D tensors), a count independent of
+    # the formula above for the test to check it against.
+    layer_matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and ".layers." in n)
     stats = {"seq": seq, "micro_batch_rows": micro, "micro_batches": micro_batches,
              "tokens_per_step": tokens, "median_step_s": step_s, "tokens_per_s": tokens / step_s,
-             "model_tflops": tflops, "mfu_vs_989": tflops / PEAK_BF16_TFLOPS,
+             "model_flops_per_token": flops, "model_tflops": tflops,
+             "mfu_vs_989": tflops / PEAK_BF16_TFLOPS, "layer_matmul_params": layer_matmul,
+             "hidden": arch.hidden_size, "layers": arch.num_layers, "vocab": arch.vocab_size,
              "losses": losses, "params": sum(p.numel() for p in model.parameters())}
     planned = planned_bytes(arch, seq, micro, micro_batches)
     stats["planned_gib"] = {k: v / 2 ** 30 for k, v in planned.items()}

@@ -83,7 +83,7 @@ start_munge() {
         --key-file="$STATE/munge/key/munge.key" --pid-file="$STATE/munge/munged.pid" \
         --log-file="$STATE/munge/munged.log" --seed-file="$STATE/munge/munged.seed" \
         || cannot "munged did not start"
-    for _ in $(seq 50); do
+    for _ in $(seq 200); do
         munge -n -S "$MSOCK" 2>/dev/null | unmunge -S "$MSOCK" >/dev/null 2>&1 && return 0
         sleep 0.1
     done
@@ -158,7 +158,7 @@ start() {
     write_config
     log "slurmctld"
     slurmctld || cannot "slurmctld did not start ($STATE/log/slurmctld.log)"
-    for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q 'is UP' && break; sleep 0.1; done
+    for _ in $(seq 300); do scontrol ping 2>/dev/null | grep -q 'is UP' && break; sleep 0.1; done
     local i
     log "slurmd"
     for i in 1 2; do
@@ -167,9 +167,10 @@ start() {
             || cannot "slurmd node$i did not start ($STATE/log/slurmd-node$i.log)"
     done
     local t0=$SECONDS
-    for _ in $(seq 120); do both_idle && break; sleep 0.5; done
+    # Generous: beside a test run on 2 busy cores the daemons register slowly.
+    for _ in $(seq 360); do both_idle && break; sleep 0.5; done
     log "nodes idle after $((SECONDS - t0)) s"
-    both_idle || cannot "nodes not idle after 60 s: $(sinfo -h -N -o '%N %T' | tr '\n' ' ')"
+    both_idle || cannot "nodes not idle after 180 s: $(sinfo -h -N -o '%N %T' | tr '\n' ' ')"
     log "up: node1 $NET.11, node2 $NET.12; clients: export SLURM_CONF=$CONF"
 }
 

@@ -89,6 +89,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("actor.loss_agg_mode", a.loss_agg_mode, AGG_MODES)
     _choice("actor.dtype", a.dtype, ("auto", "float32", "bfloat16"))
     _choice("rollout.backend", r.backend, ("hf", "sglang"))
+    _choice("rollout.dtype", r.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("resource_pool.critic", cfg.resource_pool.critic, ("shared", "separate"))
     check_parallel("actor.parallel", a.parallel, a.moe)
     if cfg.critic.parallel is not None:

@@ -250,6 +250,10 @@ class RewardConfig:
 class RolloutConfig:
     backend: str = "hf"
     """``hf`` (transformers generation with KV cache, CPU or GPU) or ``sglang`` (GPU)."""
+    dtype: str = "auto"
+    """The engine's weights and compute: ``auto`` (the actor's ``actor.dtype``), ``float32``,
+    ``bfloat16`` or ``float16``; the weight sync casts. A bf16 engine fed by an fp32 trainer is
+    the train-inference mismatch ``algorithm.rollout_correction`` corrects."""
     tp: int = 1
     """GPUs (ranks) per rollout engine: a divisor of a node's GPUs or whole nodes (an engine over
     several nodes runs one process a node). Engines are the generator's data parallelism:

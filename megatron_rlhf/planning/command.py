@@ -75,7 +75,8 @@ def _from_config(path: str, args):
                   reward_model=bool(c.reward.model_path),
                   rollout=Rollout(r.backend, r.tp, r.gpu_memory_utilization,
                                   max(rows * r.tp // args.gpus, 1),
-                                  c.data.max_prompt_length + c.data.max_response_length))
+                                  c.data.max_prompt_length + c.data.max_response_length,
+                                  None if r.dtype == "auto" else 4 if r.dtype == "float32" else 2))
         return layout_of(a.parallel), run
     from megatron_rlhf.config.schema import RMConfig, SFTConfig
 

@@ -40,6 +40,7 @@ class Rollout:
     memory_fraction: float = 0.4  # SGLang's static pool (weights + KV) per GPU
     rows: int = 1  # sequences one engine holds at once (hf engine: its whole share)
     seq: int = 1  # prompt + response tokens
+    param_bytes: int | None = None  # rollout.dtype's width; None: the trainer's
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,9 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
 def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[str], bool]:
     """(bytes per GPU, notes, whether the engine's weights fit its SGLang pool)."""
     r = run.rollout
-    weights = model_params(arch) * run.param_bytes / r.tp
-    kv = kv_bytes_per_token(arch, run.param_bytes, r.tp)
+    width = r.param_bytes or run.param_bytes
+    weights = model_params(arch) * width / r.tp
+    kv = kv_bytes_per_token(arch, width, r.tp)
     if r.backend == "sglang":
         pool = r.memory_fraction * hw.gpu_mem_gib * GIB
         room = pool - weights

@@ -50,9 +50,10 @@ def _format(options: RewardOptions):
     return FormatReward(options.format_pattern)
 
 
-def _math(options: RewardOptions):
-    from megatron_rlhf.rewards.verifiable import math_reward
+def _math(options: RewardOptions, key: str = "reward.fn"):
+    from megatron_rlhf.rewards.verifiable import math_reward, require_math_verify
 
+    require_math_verify(key)  # never a quiet fallback to string equality
     return math_reward
 
 
@@ -133,7 +134,9 @@ def resolve(spec: str, key: str = "reward.fn", options: RewardOptions = RewardOp
     """The function ``spec`` names; :class:`UserError` naming ``key`` when there is none."""
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"config: {key}={spec!r} must name a reward function")
-    if spec in _REGISTRY:
+    if spec == "math":
+        fn = _math(options, key)
+    elif spec in _REGISTRY:
         fn = _REGISTRY[spec](options)
     elif spec.startswith("reasoning_gym:"):
         from megatron_rlhf.rewards.verifiable import ReasoningGymReward

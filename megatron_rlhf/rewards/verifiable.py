@@ -5,9 +5,10 @@ last number (``-12``, ``3.5``, ``1,000``, ``3/4``). It equals the ground truth w
 
 1. both read as exact numbers (fractions, decimals and thousands separators allowed) and the
    numbers are equal, or the two strings are equal once spaces, ``$`` and a trailing ``.`` are
-   removed (the fallback, and the only test when math-verify is not installed); or
-2. math-verify (``pip install math-verify``) is installed and finds them equivalent (LaTeX and
-   symbolic forms: ``\\frac{1}{2}`` = ``0.5``, ``x+1`` = ``1+x``).
+   removed (a fast path); or
+2. math-verify finds them equivalent (LaTeX and symbolic forms: ``\\frac{1}{2}`` = ``0.5``,
+   ``x+1`` = ``1+x``). math-verify is required: without it ``reward.fn=math`` is refused at
+   start-up (the ``[tasks]`` extra installs it), never quietly weakened to the fast path alone.
 
 It returns ``{"score": 1.0 or 0.0, "answer_found": 1.0 or 0.0}``, so ``reward/answer_found``
 shows how often replies state an answer at all.
@@ -87,12 +88,19 @@ def _math_verify():
     return parse, verify
 
 
+def require_math_verify(key: str = "reward.fn") -> None:
+    """:class:`UserError` naming ``key`` when math-verify is not installed."""
+    if _math_verify() is None:
+        raise UserError(f"config: {key}=math needs the math-verify package (pip install "
+                        "'megatron_rlhf[tasks]', or pip install math-verify)")
+
+
 def math_equal(answer: str, truth: str) -> bool:
     if simple_equal(answer, truth):
         return True
     mv = _math_verify()
     if mv is None:
-        return False
+        require_math_verify()
     parse, verify = mv
     # math-verify times itself out with SIGALRM, which only the main thread may use.
     limit = 5 if threading.current_thread() is threading.main_thread() else None

@@ -31,11 +31,20 @@ def engine_share(generator, prompts: list[list[int]], params) -> tuple | None:
     return (slot.index, result) if dist.get_rank() == slot.head else None
 
 
+def engine_dtype(name: str, trainer: torch.dtype) -> torch.dtype:
+    """``rollout.dtype``: ``auto`` is the trainer's dtype."""
+    if name == "auto":
+        return trainer
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
                    groups: ParallelGroups | None = None):
     """This rank's part of a generator engine (weights arrive with the first weight sync); its
-    ``slot`` says which engine and whether this rank reports the engine's samples."""
+    ``slot`` says which engine and whether this rank reports the engine's samples. ``dtype`` is
+    the trainer's; ``cfg.dtype`` may set another for the engine."""
     slot = place_engines(cfg.tp)
+    dtype = engine_dtype(cfg.dtype, dtype)
     if cfg.backend == "hf":
         from megatron_rlhf.rollout.hf_engine import HFGenerator
 
