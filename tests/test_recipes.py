@@ -1,13 +1,24 @@
 """DAPO, GSPO, REINFORCE++, the new loss aggregations and rollout correction: pure functions
-against hand-computed values and slow loops (and against verl's own where verl is installed)."""
+against hand-computed values and slow loops; and the math we share with verl (loss aggregation,
+GAE, GRPO, RLOO, REINFORCE++ and its baseline, KL estimators, the PPO and GSPO losses with their
+gradients, value loss, entropy, the adaptive KL controller, TIS weights, sequence masks) against
+verl 0.9.1's own functions, which tests/verl_oracle.py runs in an environment of their own
+(.venv-oracle, built on first use by tools/oracle_env.sh; CI fails without it, elsewhere those
+tests skip)."""
 
 import math
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_rlhf.algorithms import advantages as adv
 from megatron_rlhf.algorithms import dapo, ppo, rollout_correction
+from tests.conftest import missing
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # last row empty
@@ -167,20 +178,220 @@ def test_policy_loss_token_weights_scale_each_token():
     assert out.loss.item() == pytest.approx(-(2.0 + 0.5) / 2)
 
 
-# ---------------------------------------------------------------- against verl, where installed
-def test_against_verl_where_installed():
-    core = pytest.importorskip("verl.trainer.ppo.core_algos")
-    generator = torch.Generator().manual_seed(3)
-    loss = torch.randn(4, 6, generator=generator)
-    mask = (torch.rand(4, 6, generator=generator) > 0.3).float()
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        assert ppo.aggregate(loss, mask, mode).item() == pytest.approx(
-            core.agg_loss(loss, mask, mode).item(), abs=1e-6)
-    rewards = torch.randn(4, 6, generator=generator) * mask
-    config = type("C", (), {"gamma": 0.9, "get": lambda self, k, d=None: getattr(self, k, d)})()
-    theirs, _ = core.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=config)
-    ours, _ = adv.reinforce_pp_advantages(rewards, mask, 0.9)
-    assert torch.allclose(ours, theirs, atol=1e-5)
+# ---------------------------------------------------------------- against verl 0.9.1's own
+# tests/verl_oracle.py calls verl's functions on the inputs below in verl's own environment
+# (tools/oracle_env.sh: verl pins other transformers and tensordict releases than ours, so it
+# never enters .venv); each test compares ours with what verl returned. float64 throughout, so
+# a difference in the math shows far above rounding: TIGHT allows verl's 1e-8 guards in its
+# masked means (x / (n + 1e-8)) and nothing more. Left out, as ours differs on purpose: GRPO and
+# RLOO on a group of one (ours 0, verl the score itself), the overlong penalty (verl's sits inside
+# its reward manager, no function to call).
+TIGHT = {"rtol": 1e-7, "atol": 1e-9}
+FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}  # entropy: ours computes in float32 whatever comes in
+
+
+def _verl_inputs(seed=11, rows=6, length=9):
+    """One batch for every case: multi-turn holes in the mask, right padding, an empty row (4)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    mask = (torch.rand(rows, length, generator=gen) > 0.25).double()
+    mask[0, :2], mask[1, 6:], mask[4] = 1.0, 0.0, 0.0
+    old = -randn(rows, length).abs() - 0.5
+    scores = randn(rows)
+    outcome = torch.zeros(rows, length, dtype=torch.float64)
+    outcome[torch.arange(rows), adv.last_token_index(mask)] = scores
+    ref = old + 0.3 * randn(rows, length)
+    ref[0, 0], ref[0, 1] = old[0, 0] + 30.0, old[0, 1] - 30.0  # beyond the KL estimators' clamps
+    seq_advantages = randn(rows)
+    # GSPO's sequence ratio outside its narrow clip range (rows 0, 2) or inside (1, 3, 5).
+    shift = torch.tensor([1e-3, 1e-4, 2e-3, 0.0, 0.0, 5e-5], dtype=torch.float64)
+    gspo_new = old + (seq_advantages.sign() * shift)[:, None] + 1e-4 * randn(rows, length)
+    # log(pi_old / pi_rollout) per token about these, per row: each TIS cap and mask bound has
+    # rows on both sides, far from the line.
+    gap = torch.tensor([0.0, 0.3, -0.2, 0.06, 0.0, -0.05], dtype=torch.float64)
+    return {"mask": mask, "old": old, "new": old + 0.7 * randn(rows, length), "ref": ref,
+            "rollout": old - gap[:, None] - 0.02 * randn(rows, length),
+            "advantages": randn(rows, length), "gspo_new": gspo_new,
+            "seq_advantages": seq_advantages[:, None].expand(rows, length).contiguous(),
+            "weights": 2.0 * torch.rand(rows, length, generator=gen, dtype=torch.float64),
+            "rewards": randn(rows, length) * mask, "values": randn(rows, length),
+            "vpreds": randn(rows, length), "returns": randn(rows, length),
+            "scores": scores, "outcome": outcome,
+            "logits": 3.0 * torch.randn(rows, length, 11, generator=gen)}
+
+
+V = _verl_inputs()  # what both sides get
+GROUPS = torch.tensor([0, 0, 0, 1, 1, 1])  # GRPO, RLOO: every group of two or more
+BASELINE_GROUPS = torch.tensor([0, 0, 1, 1, 1, 2])  # REINFORCE++-baseline: a group of one too
+VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+VERL_KL = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+VANILLA = {"token-mean": (3.0, None), "seq-mean-token-mean": (3.0, "weights"),
+           "seq-mean-token-sum": (10.0, None)}  # mode: (dual clip, token weights)
+GSPO = {"seq-mean-token-mean": None, "token-mean": "weights"}
+TIS_CAPS = {"token": 1.3, "sequence": 2.0}
+# Bounds that keep some rows and not others, and would not if passed to verl unmapped (below).
+MASK_LEVELS = {"geometric": ("seq_mean_k1", 0.97, 1.09), "sequence": ("seq_sum_k1", 0.8, 1.75)}
+KL_UPDATES = [(0.5, 64), (0.01, 64), (0.1, 32), (10.0, 128)]
+CASES = {
+    **{f"agg/{mode}": ("agg_loss", dict(loss=V["advantages"], mask=V["mask"], mode=mode,
+                                        horizon=16 if mode.endswith("norm") else None))
+       for mode in VERL_AGG_MODES},
+    "gae": ("gae", dict(rewards=V["rewards"], values=V["values"], mask=V["mask"], gamma=0.95,
+                        lam=0.9)),
+    **{f"grpo/{norm}": ("grpo", dict(rewards=V["outcome"], mask=V["mask"], index=GROUPS,
+                                     norm_by_std=norm)) for norm in (True, False)},
+    "rloo": ("rloo", dict(rewards=V["outcome"], mask=V["mask"], index=GROUPS)),
+    "reinforce_pp": ("reinforce_pp", dict(rewards=V["rewards"], mask=V["mask"], gamma=0.9)),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", dict(rewards=V["outcome"], mask=V["mask"],
+                                                            index=BASELINE_GROUPS)),
+    **{f"kl/{kind}": ("kl_penalty", dict(logprob=V["old"], ref_logprob=V["ref"], kind=kind))
+       for kind in VERL_KL},
+    **{f"vanilla/{mode}": ("policy_loss", dict(
+        name="vanilla", old_logprob=V["old"], logprob=V["new"], advantages=V["advantages"],
+        mask=V["mask"], agg_mode=mode, clip_low=0.2, clip_high=0.28, clip_ratio_c=dual,
+        weights=V[weights] if weights else None)) for mode, (dual, weights) in VANILLA.items()},
+    **{f"gspo/{mode}": ("policy_loss", dict(
+        name="gspo", old_logprob=V["old"], logprob=V["gspo_new"], advantages=V["seq_advantages"],
+        mask=V["mask"], agg_mode=mode, clip_low=3e-4, clip_high=4e-4,
+        weights=V[weights] if weights else None)) for mode, weights in GSPO.items()},
+    **{f"value/{mode}": ("value_loss", dict(vpreds=V["vpreds"], returns=V["returns"],
+                                            values=V["values"], mask=V["mask"],
+                                            cliprange_value=0.5, agg_mode=mode))
+       for mode in ("token-mean", "seq-mean-token-mean")},
+    "entropy": ("entropy", dict(logits=V["logits"], mask=V["mask"].float(), agg_mode="token-mean")),
+    "adaptive_kl": ("adaptive_kl", dict(init_kl_coef=0.2, target=0.1, horizon=1000,
+                                        updates=KL_UPDATES)),
+    **{f"tis/{level}": ("is_weights", dict(old_logprob=V["old"], rollout_logprob=V["rollout"],
+                                           mask=V["mask"], level=level, cap=cap))
+       for level, cap in TIS_CAPS.items()},
+    # verl's *_k1 statistic is log(pi_rollout / pi_old), ours log(pi_old / pi_rollout): our
+    # [low, high] is verl's "1/high_1/low" (the same for the symmetric defaults, 0.5 and 2).
+    **{f"mask/{level}": ("rejection_mask", dict(
+        old_logprob=V["old"], rollout_logprob=V["rollout"], mask=V["mask"], option=option,
+        threshold=f"{1 / high!r}_{1 / low!r}"))
+       for level, (option, low, high) in MASK_LEVELS.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def verl(tmp_path_factory):
+    """What verl 0.9.1 returns for each of :data:`CASES`: ``{name: result}``. Builds the oracle
+    environment first (tools/oracle_env.sh: a few minutes once; then nothing to do)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    try:
+        build = subprocess.run(["bash", str(ROOT / "tools" / "oracle_env.sh")], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=1500)
+    except subprocess.TimeoutExpired:
+        missing("the verl 0.9.1 oracle environment (tools/oracle_env.sh): no build in 1500 s")
+    if build.returncode != 0:
+        reason = (build.stderr.strip().splitlines() or [f"exit {build.returncode}"])[-1]
+        missing(f"the verl 0.9.1 oracle environment (tools/oracle_env.sh): {reason}")
+    folder = tmp_path_factory.mktemp("verl_oracle")
+    torch.save(CASES, folder / "cases.pt")
+    run = subprocess.run([str(ROOT / ".venv-oracle" / "bin" / "python"), "tests/verl_oracle.py",
+                          str(folder / "cases.pt"), str(folder / "results.pt")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"tests/verl_oracle.py failed:\n{run.stderr[-4000:]}"
+    return torch.load(folder / "results.pt")
+
+
+def close(ours, theirs, tolerance=TIGHT):
+    torch.testing.assert_close(torch.as_tensor(ours, dtype=torch.float64),
+                               torch.as_tensor(theirs, dtype=torch.float64), **tolerance)
+
+
+@pytest.mark.parametrize("mode", VERL_AGG_MODES)
+def test_loss_aggregation_matches_verl(verl, mode):
+    # verl's seq-mean-token-sum-norm takes the horizon as loss_scale_factor.
+    close(ppo.aggregate(V["advantages"], V["mask"], mode, horizon=16), verl[f"agg/{mode}"])
+
+
+def test_advantage_estimators_match_verl(verl):
+    mask = V["mask"]
+    # verl always whitens GAE's advantages (ours: algorithm.whiten_advantages); it also leaves
+    # values on masked positions, which nothing reads: both compared on the mask.
+    advantages, returns = adv.compute_gae(V["rewards"], V["values"], mask, 0.95, 0.9)
+    close(adv.masked_whiten(advantages, mask), verl["gae"][0] * mask)
+    close(returns, verl["gae"][1] * mask)
+    for norm in (True, False):
+        ours = adv.group_normalized_advantages(V["scores"], GROUPS, norm_by_std=norm)
+        close(ours[:, None] * mask, verl[f"grpo/{norm}"])
+    close(adv.rloo_advantages(V["scores"], GROUPS)[:, None] * mask, verl["rloo"])
+    advantages, returns = adv.reinforce_pp_advantages(V["rewards"], mask, 0.9)
+    close(advantages, verl["reinforce_pp"][0])
+    close(returns, verl["reinforce_pp"][1])
+    close(adv.reinforce_pp_baseline_advantages(V["scores"], BASELINE_GROUPS, mask),
+          verl["reinforce_pp_baseline"])
+
+
+@pytest.mark.parametrize("kind", VERL_KL)
+def test_kl_estimators_match_verl(verl, kind):
+    ours = ppo.kl_estimate(V["old"], V["ref"], {"kl": "k1"}.get(kind, kind))
+    close(ours, verl[f"kl/{kind}"])
+
+
+def _check_policy_loss(out, new, theirs):
+    close(out.loss, theirs["loss"])
+    out.loss.backward()
+    close(new.grad, theirs["grad"])
+    close(out.clipfrac, theirs["actor/pg_clipfrac"])
+    close(out.approx_kl, theirs["actor/ppo_kl"])
+    close(out.dual_clipfrac, theirs["actor/pg_clipfrac_lower"])
+
+
+@pytest.mark.parametrize("mode", VANILLA)
+def test_ppo_policy_loss_and_its_gradient_match_verl(verl, mode):
+    dual, weights = VANILLA[mode]
+    new = V["new"].clone().requires_grad_()
+    out = ppo.policy_loss(V["old"], new, V["advantages"], V["mask"], 0.2, 0.28, dual, mode,
+                          V[weights] if weights else None)
+    theirs = verl[f"vanilla/{mode}"]
+    assert 0 < theirs["actor/pg_clipfrac"] < 1
+    assert theirs["actor/pg_clipfrac_lower"] > 0 or dual > 3.0  # the dual clip bound is met
+    _check_policy_loss(out, new, theirs)
+
+
+@pytest.mark.parametrize("mode", GSPO)
+def test_gspo_loss_and_its_gradient_match_verl(verl, mode):
+    new = V["gspo_new"].clone().requires_grad_()
+    weights = V[GSPO[mode]] if GSPO[mode] else None
+    out = ppo.gspo_policy_loss(V["old"], new, V["seq_advantages"], V["mask"], 3e-4, 4e-4, mode,
+                               weights)
+    theirs = verl[f"gspo/{mode}"]
+    assert 0 < theirs["actor/pg_clipfrac"] < 1  # some sequences clipped, some not
+    _check_policy_loss(out, new, theirs)
+
+
+def test_value_loss_entropy_and_kl_controller_match_verl(verl):
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        loss, clipfrac = ppo.value_loss(V["vpreds"], V["values"], V["returns"], V["mask"], 0.5,
+                                        mode)
+        close(loss, verl[f"value/{mode}"][0])
+        close(clipfrac, verl[f"value/{mode}"][1])
+    per_token = ppo.entropy_from_logits(V["logits"])
+    close(per_token, verl["entropy"]["per_token"], FLOAT32)
+    close(ppo.aggregate(per_token, V["mask"].float(), "token-mean"), verl["entropy"]["loss"],
+          FLOAT32)
+    controller = ppo.AdaptiveKLController(0.2, 0.1, 1000)
+    for (current_kl, n_steps), theirs in zip(KL_UPDATES, verl["adaptive_kl"], strict=True):
+        controller.update(current_kl, n_steps)
+        close(controller.value, theirs)
+
+
+def test_rollout_correction_matches_verl(verl):
+    mask = V["mask"]
+    for level, cap in TIS_CAPS.items():
+        ours = rollout_correction.tis_weights(V["old"], V["rollout"], mask, cap, level)
+        close(ours, verl[f"tis/{level}"])
+        assert (ours[mask > 0] == cap).any() and (ours[mask > 0] < cap).any()  # capped and not
+    for level, (_, low, high) in MASK_LEVELS.items():
+        ours = rollout_correction.sequence_keep(V["old"], V["rollout"], mask, low, high, level)
+        theirs = (verl[f"mask/{level}"] == mask).all(dim=1)  # verl: the mask, rejected rows zeroed
+        assert ours.tolist() == theirs.tolist() and 1 < int(ours.sum()) < len(ours)
 
 
 # ---------------------------------------------------------------- dynamic sampling's rounds
