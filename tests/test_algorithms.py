@@ -220,7 +220,7 @@ def test_policy_losses_come_from_one_registry():
 
     from megatron_rlhf.algorithms.policy_losses import POLICY_LOSS_REGISTRY, POLICY_LOSSES, clip_range
 
-    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "sppo"} == set(POLICY_LOSS_REGISTRY)
+    assert set(POLICY_LOSSES) == {"vanilla", "gspo", "sppo", "reinforce"} == set(POLICY_LOSS_REGISTRY)
     actor = lambda loss, **kw: SimpleNamespace(policy_loss=loss, clip_ratio=0.2, clip_ratio_low=None,  # noqa: E731
                                                clip_ratio_high=None, clip_ratio_c=3.0, sppo_eta=1.0, **kw)
     assert clip_range(actor("vanilla")) == (0.2, 0.2) and clip_range(actor("gspo")) == (3e-4, 4e-4)

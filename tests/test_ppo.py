@@ -360,7 +360,8 @@ def test_rollout_correction_acts_on_a_bf16_engine_fed_by_an_fp32_trainer(workspa
     """A real train-inference mismatch end to end: the hf engine in bf16 (rollout.dtype), the
     trainer in fp32, the weight sync casting. The same step with and without the correction
     samples the same responses (same engine, same seeds) and updates differently: the engine's
-    log-probs differ from the trainer's, TIS caps some tokens and the mask drops some samples."""
+    log-probs differ from the trainer's, TIS caps some tokens and the mask drops some samples;
+    IcePop's band with token-level k3 rejection acts too, each logging what it did."""
     # GAE with a critic and KL in the reward (the tiny policy solves nothing yet, so outcome
     # baselines alone would give zero advantages). Bounds: bf16 vs fp32 token log-probs differ
     # by ~1e-3 here; TIS capped at 1 and a band of +-3e-4 around a sample's geometric mean ratio.
@@ -370,14 +371,24 @@ def test_rollout_correction_acts_on_a_bf16_engine_fed_by_an_fp32_trainer(workspa
             "algorithm.rollout_correction.tis_cap=1.0",
             "algorithm.rollout_correction.mask_low=0.9997",
             "algorithm.rollout_correction.mask_high=1.0003")
+    # The third: IcePop's band (weights outside [tis_low, tis_cap] zeroed) at the geometric level,
+    # batch-normalised, with token-level k3 rejection.
+    icepop = ("algorithm.rollout_correction.mode=tis+mask",
+              "algorithm.rollout_correction.tis_level=geometric",
+              "algorithm.rollout_correction.tis_low=0.9998",
+              "algorithm.rollout_correction.tis_cap=1.0002",
+              "algorithm.rollout_correction.tis_batch_normalize=true",
+              "algorithm.rollout_correction.mask_level=token_k3",
+              "algorithm.rollout_correction.mask_divergence_max=2e-7")
     runs = {}
-    for mode in ("none", "tis+mask"):
-        out = tmp_path / mode
-        code, stdout, stderr = finish(ppo(overrides(workspace, out, *base,
-                                                    f"algorithm.rollout_correction.mode={mode}")))
+    for name, extra in (("none", ("algorithm.rollout_correction.mode=none",)),
+                        ("tis+mask", ("algorithm.rollout_correction.mode=tis+mask",)),
+                        ("icepop", icepop)):
+        out = tmp_path / name
+        code, stdout, stderr = finish(ppo(overrides(workspace, out, *base, *extra)))
         assert code == 0, stdout[-3000:] + stderr[-3000:]
-        runs[mode] = [r for r in metrics(out) if "actor/pg_loss" in r][0]
-    plain, corrected = runs["none"], runs["tis+mask"]
+        runs[name] = [r for r in metrics(out) if "actor/pg_loss" in r][0]
+    plain, corrected, band = runs["none"], runs["tis+mask"], runs["icepop"]
     # Same samples: the correction does not touch generation.
     for key in ("reward/score_mean", "response/length_mean", "rollout/logprob_diff_max"):
         assert plain[key] == corrected[key], key
@@ -388,6 +399,11 @@ def test_rollout_correction_acts_on_a_bf16_engine_fed_by_an_fp32_trainer(workspa
     assert plain["actor/grad_norm"] > 0
     assert corrected["actor/pg_loss"] != plain["actor/pg_loss"]
     assert corrected["actor/grad_norm"] != plain["actor/grad_norm"]
+    # The band zeroes some sequences' weights, token k3 rejects some tokens, the rest averages 1.
+    assert band["response/length_mean"] == plain["response/length_mean"]
+    assert 0 < band["is/zeroed_fraction"] < 1 and 0 < band["rs/rejected_fraction"] < 1
+    assert band["mismatch/kl_k1"] != 0 and band["mismatch/logprob_diff_mean"] > 0
+    assert band["actor/grad_norm"] not in (plain["actor/grad_norm"], corrected["actor/grad_norm"])
 
 
 def test_training_on_offline_responses_only(workspace, tmp_path):

@@ -168,7 +168,7 @@ def test_sequence_tis_weights_equal_a_slow_loop():
                 assert fast[b, t].item() == pytest.approx(weight if mask[b, t] else 0.0, rel=1e-5)
         assert torch.isfinite(fast).all() and fast[5].max().item() == pytest.approx(cap)
     with pytest.raises(ValueError, match="unknown TIS level"):
-        rollout_correction.tis_weights(old, rollout, mask, 2.0, "geometric")
+        rollout_correction.tis_weights(old, rollout, mask, 2.0, "geo")
 
 
 def test_policy_loss_token_weights_scale_each_token():
@@ -279,8 +279,14 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def verl(tmp_path_factory):
-    """What verl 0.9.1 returns for each of :data:`CASES`: ``{name: result}``. Builds the oracle
-    environment first (tools/oracle_env.sh: a few minutes once; then nothing to do)."""
+    """What verl 0.9.1 returns for each of :data:`CASES`: ``{name: result}``."""
+    return run_verl(CASES, tmp_path_factory.mktemp("verl_oracle"))
+
+
+def run_verl(cases: dict, folder: Path) -> dict:
+    """What verl 0.9.1 returns for each of ``cases`` (``{name: (function, kwargs)}``, see
+    tests/verl_oracle.py): ``{name: result}``. Builds the oracle environment first
+    (tools/oracle_env.sh: a few minutes once; then nothing to do)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     try:
         build = subprocess.run(["bash", str(ROOT / "tools" / "oracle_env.sh")], cwd=ROOT, env=env,
@@ -290,8 +296,7 @@ def verl(tmp_path_factory):
     if build.returncode != 0:
         reason = (build.stderr.strip().splitlines() or [f"exit {build.returncode}"])[-1]
         missing(f"the verl 0.9.1 oracle environment (tools/oracle_env.sh): {reason}")
-    folder = tmp_path_factory.mktemp("verl_oracle")
-    torch.save(CASES, folder / "cases.pt")
+    torch.save(cases, folder / "cases.pt")
     run = subprocess.run([str(ROOT / ".venv-oracle" / "bin" / "python"), "tests/verl_oracle.py",
                           str(folder / "cases.pt"), str(folder / "results.pt")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

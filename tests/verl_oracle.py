@@ -89,9 +89,10 @@ def adaptive_kl(init_kl_coef, target, horizon, updates):
     return values
 
 
-def is_weights(old_logprob, rollout_logprob, mask, level, cap):
+def is_weights(old_logprob, rollout_logprob, mask, level, cap, batch_normalize=False):
+    """``cap``: a number (TIS) or verl's ``"lower_upper"`` string (IcePop)."""
     return corr.compute_rollout_correction_weights(old_logprob - rollout_logprob, mask, level,
-                                                   cap)[0]
+                                                   cap, batch_normalize)[0]
 
 
 def rejection_mask(old_logprob, rollout_logprob, mask, option, threshold):
@@ -99,9 +100,58 @@ def rejection_mask(old_logprob, rollout_logprob, mask, option, threshold):
                                                threshold)[0]
 
 
+def correction(old_logprob, rollout_logprob, mask, rollout_is=None, is_threshold=2.0,
+               batch_normalize=False, rollout_rs=None, rs_threshold=None):
+    """verl's whole decoupled-mode correction of one batch: IS weights (or None), the response
+    mask after rejection, and its metrics (``rollout_corr/`` prefix dropped)."""
+    weights, new_mask, metrics = corr.compute_rollout_correction_and_rejection_mask(
+        old_logprob, rollout_logprob, mask, rollout_is, is_threshold, batch_normalize, rollout_rs,
+        rs_threshold)
+    return {"weights": None if weights is None else weights.batch["rollout_is_weights"],
+            "mask": new_mask,
+            "metrics": {k.removeprefix("rollout_corr/"): float(v) for k, v in metrics.items()}}
+
+
+def offpolicy_metrics(old_logprob, rollout_logprob, mask):
+    return corr.compute_offpolicy_metrics(old_logprob, rollout_logprob, mask)
+
+
+def bypass_loss(loss_type, rollout_logprob, logprob, advantages, mask, agg_mode, clip_low,
+                clip_high, clip_ratio_c=3.0):
+    """verl's bypass-mode loss (``old_log_prob`` = the rollout's), no IS or rejection: its value,
+    metrics and gradient with respect to ``logprob``."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.workers.config.actor import PolicyLossConfig
+
+    settings = RolloutCorrectionConfig(rollout_is=None, rollout_rs=None, bypass_mode=True,
+                                       loss_type=loss_type)
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                         clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                         clip_ratio_c=clip_ratio_c,
+                         policy_loss=PolicyLossConfig(loss_mode="bypass_mode",
+                                                      rollout_correction=settings))
+    logprob = logprob.clone().requires_grad_()
+    loss, metrics = core.get_policy_loss_fn("bypass_mode")(rollout_logprob, logprob, advantages,
+                                                           mask, agg_mode, config, None)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logprob.grad,
+            **{k: v for k, v in metrics.items() if k.startswith("actor/")}}
+
+
+def reinforce_loss(rollout_logprob, logprob, advantages, mask, agg_mode, weights=None):
+    """verl's ``compute_policy_loss_reinforce`` with explicit IS weights: value, metrics, gradient."""
+    config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1)
+    logprob = logprob.clone().requires_grad_()
+    loss, metrics = core.compute_policy_loss_reinforce(rollout_logprob, logprob, advantages, mask,
+                                                       agg_mode, config, weights)
+    loss.backward()
+    return {"loss": loss.detach(), "grad": logprob.grad, **metrics}
+
+
 FUNCTIONS = {f.__name__: f for f in (agg_loss, gae, grpo, rloo, reinforce_pp, reinforce_pp_baseline,
                                      kl_penalty, policy_loss, value_loss, entropy, adaptive_kl,
-                                     is_weights, rejection_mask)}
+                                     is_weights, rejection_mask, correction, offpolicy_metrics,
+                                     bypass_loss, reinforce_loss)}
 
 
 def main(cases_path: str, results_path: str) -> None:

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from megatron_rlhf.algorithms.advantages import masked_mean
-from megatron_rlhf.algorithms.ppo import PolicyLossOutput, aggregate, gspo_policy_loss, policy_loss
+from megatron_rlhf.algorithms.ppo import (PolicyLossOutput, aggregate, gspo_policy_loss, policy_loss,
+                                          reinforce_policy_loss)
 from megatron_rlhf.algorithms.sppo import sppo_loss
 
 
@@ -28,6 +29,10 @@ def _vanilla(old, logprob, advantages, mask, s, clip, agg_mode, weights, horizon
 def _gspo(old, logprob, advantages, mask, s, clip, agg_mode, weights, horizon) -> PolicyLossOutput:
     return gspo_policy_loss(old, logprob, advantages, mask, clip[0], clip[1], agg_mode, weights,
                             horizon)
+
+
+def _reinforce(old, logprob, advantages, mask, s, clip, agg_mode, weights, horizon) -> PolicyLossOutput:
+    return reinforce_policy_loss(old, logprob, advantages, mask, agg_mode, weights, horizon)
 
 
 def _sppo(old, logprob, advantages, mask, s, clip, agg_mode, weights, horizon) -> PolicyLossOutput:
@@ -53,6 +58,8 @@ POLICY_LOSS_REGISTRY = {p.name: p for p in (
     # GSPO's ratio is a per-token geometric mean, three orders of magnitude closer to 1.
     PolicyLoss("gspo", _gspo, default_clip=(3e-4, 4e-4), doc="sequence-level importance ratio"),
     PolicyLoss("sppo", _sppo, doc="squared gap of the sequence log-ratio to SPPO's target"),
+    # Set by algorithm.rollout_correction.bypass_loss=reinforce (the old log-probs are the engine's).
+    PolicyLoss("reinforce", _reinforce, doc="-A * log pi on the engine's samples (verl's bypass)"),
 )}
 POLICY_LOSSES = tuple(POLICY_LOSS_REGISTRY)
 

@@ -125,6 +125,23 @@ def policy_loss(old_logprob: torch.Tensor, logprob: torch.Tensor, advantages: to
                             masked_mean(-log_ratio, mask), masked_mean(dual_used, mask))
 
 
+def reinforce_policy_loss(rollout_logprob: torch.Tensor, logprob: torch.Tensor,
+                          advantages: torch.Tensor, mask: torch.Tensor,
+                          agg_mode: str = "token-mean", token_weights: torch.Tensor | None = None,
+                          horizon: int | None = None) -> PolicyLossOutput:
+    """REINFORCE on the rollout policy's samples, no ratio and no clip: ``L = -A * log pi`` per
+    token, times ``token_weights`` (detached importance weights) when given; verl's bypass-mode
+    ``loss_type=reinforce`` (``compute_policy_loss_reinforce``). Its gradient ``-A w grad log pi``
+    is PPO's wherever ``pi = pi_rollout`` (ratio 1, nothing clipped). ``approx_kl`` is the mean
+    of ``log pi_rollout - log pi``. All ``[B, T]``."""
+    loss = -advantages * logprob
+    if token_weights is not None:
+        loss = loss * token_weights
+    zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+    return PolicyLossOutput(aggregate(loss, mask, agg_mode, horizon), zero,
+                            masked_mean((rollout_logprob - logprob).detach(), mask), zero)
+
+
 def sequence_log_ratio(old_logprob: torch.Tensor, logprob: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
     """GSPO's length-normalised sequence log-ratio ``mean_t(log pi - log pi_old)``: ``[B, T] -> [B]``."""

@@ -268,17 +268,7 @@ def _check_recipes(cfg: PPOConfig) -> None:
         if not cfg.actor.loss_agg_mode.startswith("seq-mean-token-"):
             raise UserError(f"config: SPPO's loss is one term per sequence; actor.loss_agg_mode="
                             f"{cfg.actor.loss_agg_mode} must be a seq-mean-* mode")
-    _choice("algorithm.rollout_correction.mode", c.mode, ("none", "tis", "mask", "tis+mask"))
-    _choice("algorithm.rollout_correction.mask_level", c.mask_level, MASK_LEVELS)
-    _choice("algorithm.rollout_correction.tis_level", c.tis_level, TIS_LEVELS)
-    if c.bypass and c.mode != "none":
-        raise UserError(f"config: algorithm.rollout_correction.bypass takes the engine's "
-                        f"log-probs as the old ones, leaving no gap for mode={c.mode} to correct; "
-                        "set one of them")
-    if c.mode != "none" and not (c.tis_cap > 0 and 0 < c.mask_low < 1 < c.mask_high):
-        raise UserError(f"config: algorithm.rollout_correction needs tis_cap > 0 and "
-                        f"0 < mask_low < 1 < mask_high (got {c.tis_cap}, {c.mask_low}, "
-                        f"{c.mask_high})")
+    _check_rollout_correction(cfg)
     if f.enable:
         _choice("algorithm.filter_groups.metric", f.metric, ("score", "oracle"))
         if alg.adv_estimator not in GROUP_ESTIMATORS:
@@ -312,6 +302,56 @@ def _check_recipes(cfg: PPOConfig) -> None:
     if o.enable and not 0 < o.len <= cfg.data.max_response_length:
         raise UserError(f"config: reward.overlong_buffer.len={o.len} must be in "
                         f"(0, data.max_response_length={cfg.data.max_response_length}]")
+
+
+def _check_rollout_correction(cfg: PPOConfig) -> None:
+    """``algorithm.rollout_correction``: names, bounds, and the bypass's loss, which it resolves
+    into ``actor.policy_loss`` (the loss the workers compute)."""
+    c, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    _choice(f"{key}.mode", c.mode, ("none", "tis", "mask", "tis+mask"))
+    if c.mask_level == "seq_max_k1":
+        raise UserError(f"config: {key}.mask_level=seq_max_k1 is not a rejection verl 0.9.1 has "
+                        "(the largest signed log-ratio bounds one side only); use seq_max_k2 or "
+                        "seq_max_k3, or token_k1 for a band on every token")
+    _choice(f"{key}.mask_level", c.mask_level, MASK_LEVELS)
+    _choice(f"{key}.tis_level", c.tis_level, TIS_LEVELS)
+    _choice(f"{key}.bypass_loss", c.bypass_loss, ("ppo_clip", "reinforce"))
+    if c.bypass and c.mode != "none":
+        raise UserError(f"config: {key}.bypass takes the engine's log-probs as the old ones, "
+                        f"leaving no gap for mode={c.mode} to correct; set one of them")
+    if c.mode != "none":
+        if not c.tis_cap > 0:
+            raise UserError(f"config: {key}.tis_cap={c.tis_cap} must be > 0 (the largest "
+                            "importance weight)")
+        if not 0 <= c.tis_low < 1:
+            raise UserError(f"config: {key}.tis_low={c.tis_low} must be in [0, 1) (0: TIS, "
+                            "weights capped; else the bottom of IcePop's band)")
+        if c.tis_low > 0 and not c.tis_low < c.tis_cap:
+            raise UserError(f"config: {key}.tis_low={c.tis_low} must be below "
+                            f"tis_cap={c.tis_cap} (IcePop keeps weights in [tis_low, tis_cap])")
+        if not 0 < c.mask_low < 1 < c.mask_high:
+            raise UserError(f"config: {key} needs 0 < mask_low < 1 < mask_high, a band of "
+                            f"ratios around 1 (got mask_low={c.mask_low}, "
+                            f"mask_high={c.mask_high})")
+        if not c.mask_divergence_max > 0:
+            raise UserError(f"config: {key}.mask_divergence_max={c.mask_divergence_max} must be "
+                            "> 0 (nats: the largest k2/k3 statistic kept)")
+    _resolve_bypass_loss(cfg)
+
+
+def _resolve_bypass_loss(cfg: PPOConfig) -> None:
+    c, loss = cfg.algorithm.rollout_correction, cfg.actor.policy_loss
+    if c.bypass_loss == "reinforce":
+        if not c.bypass:
+            raise UserError("config: algorithm.rollout_correction.bypass_loss=reinforce is the "
+                            "bypass's loss; set algorithm.rollout_correction.bypass=true")
+        if loss not in ("vanilla", "reinforce"):
+            raise UserError(f"config: algorithm.rollout_correction.bypass_loss=reinforce replaces "
+                            f"actor.policy_loss; leave it at vanilla (got {loss})")
+        cfg.actor.policy_loss = "reinforce"  # the workers' loss; validating twice changes nothing
+    elif loss == "reinforce":
+        raise UserError("config: actor.policy_loss=reinforce is set by "
+                        "algorithm.rollout_correction.bypass=true bypass_loss=reinforce; use those")
 
 
 def _check_reward(cfg: PPOConfig) -> None:

@@ -78,24 +78,57 @@ class FilterGroupsConfig:
 @dataclass
 class RolloutCorrectionConfig:
     """Correction for the gap between the rollout engine's and the trainer's probabilities of
-    the sampled tokens (``megatron_rlhf.algorithms.rollout_correction``)."""
+    the sampled tokens (``megatron_rlhf.algorithms.rollout_correction``: verl 0.9.1's toolbox,
+    with ``r = pi_old / pi_rollout`` per token). Logged every step a correction is on:
+    ``mismatch/kl_k1``, ``mismatch/kl_k3``, ``mismatch/ppl_ratio``, ``mismatch/logprob_diff_mean``;
+    with IS ``is/weight_mean``, ``is/weight_max``, ``is/capped_fraction``, ``is/zeroed_fraction``
+    (``is/batch_norm_factor``); with rejection ``rs/rejected_fraction``."""
 
     mode: str = "auto"
     """``auto``: ``tis`` when rollouts may be stale (``rollout.max_staleness > 0``), else
-    ``none``; ``none``; ``tis``: weight every token's loss by ``min(pi_old / pi_rollout, tis_cap)``;
-    ``mask``: leave samples whose ratio is outside ``[mask_low, mask_high]`` out of the loss;
+    ``none``; ``none``; ``tis``: weight every token's loss by an importance weight (``tis_*``);
+    ``mask``: rejection sampling, leave tokens or samples out of the loss (``mask_*``);
     ``tis+mask``: both."""
     tis_cap: float = 2.0
+    """Largest importance weight (a ratio, unitless): TIS caps weights at it (verl's
+    ``rollout_is_threshold``); with ``tis_low > 0`` it is the top of IcePop's band instead."""
     tis_level: str = "token"
-    """``token``: each token's own ratio; ``sequence``: its sequence's (product over tokens)."""
+    """``token``: each token's own ratio; ``sequence``: its sequence's (product over tokens, on
+    every token of it); ``geometric``: the sequence's geometric mean ratio (length-independent)."""
+    tis_low: float = 0.0
+    """0: truncated IS (weights capped at ``tis_cap``). In (0, 1): IcePop: weights outside
+    ``[tis_low, tis_cap]`` are set to zero instead of capped, their tokens still counted in the
+    loss's denominator (verl's ``rollout_is_threshold="tis_low_tis_cap"``)."""
+    tis_batch_normalize: bool = False
+    """Divide the step's weights by their mean over its response tokens (``token``) or over its
+    non-empty samples (``sequence``, ``geometric``), so they average 1 (verl's
+    ``rollout_is_batch_normalize``)."""
     bypass: bool = False
     """Use the rollout engine's log-probs of the sampled tokens as the old log-probs: the
     trainer's old-log-prob pass is skipped (the update's ratio is against the engine). For an
-    engine that agrees with the trainer (``rollout/logprob_diff_max`` near 0); excludes ``mode``."""
+    engine that agrees with the trainer (``rollout/logprob_diff_max`` near 0); excludes ``mode``
+    (verl's ``bypass_mode``)."""
+    bypass_loss: str = "ppo_clip"
+    """The loss with ``bypass``: ``ppo_clip`` (``actor.policy_loss``, the ratio taken against the
+    engine) or ``reinforce`` (``-A * log pi`` per token, no ratio and no clip; verl's
+    ``loss_type=reinforce``). ``reinforce`` sets ``actor.policy_loss=reinforce``, which must be
+    left at ``vanilla``."""
     mask_low: float = 0.5
+    """``*_k1`` rejection: lowest ratio kept (``r``, or the sequence's product or geometric
+    mean), in (0, 1). verl bounds ``1 / r``: our ``[mask_low, mask_high]`` is its
+    ``rollout_rs_threshold="1/mask_high_1/mask_low"``."""
     mask_high: float = 2.0
+    """``*_k1`` rejection: highest ratio kept, above 1."""
     mask_level: str = "geometric"
-    """``geometric`` (the per-token geometric mean ratio) or ``sequence`` (the product)."""
+    """Rejection statistic (verl's ``rollout_rs``). Tokens: ``token_k1`` (``r`` in
+    ``[mask_low, mask_high]``), ``token_k2`` (``(log r)^2 / 2``), ``token_k3`` (``r - 1 - log r``)
+    at most ``mask_divergence_max``: only those tokens leave the loss. Whole samples:
+    ``seq_sum_k1..k3`` (sum over the response's tokens), ``seq_mean_k1..k3`` (mean),
+    ``seq_max_k2``, ``seq_max_k3`` (max). ``geometric`` is ``seq_mean_k1`` (the geometric mean
+    ratio), ``sequence`` is ``seq_sum_k1`` (the product)."""
+    mask_divergence_max: float = 0.01
+    """``*_k2`` and ``*_k3`` rejection: largest statistic kept, in nats (verl's
+    ``rollout_rs_threshold`` for them; its K3 presets use 0.01)."""
 
 
 @dataclass

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_rlhf.algorithms import rollout_correction
 from megatron_rlhf.algorithms.advantages import turn_rewards
 from megatron_rlhf.algorithms.dapo import overlong_penalty
 from megatron_rlhf.algorithms.ppo import (AdaptiveKLController, FixedKLController,
                                           explained_variance)
-from megatron_rlhf.algorithms.rollout_correction import mismatch, sequence_keep, tis_weights
 from megatron_rlhf.checkpoint.train_ckpt import complete_checkpoints
 from megatron_rlhf.config.ppo_checks import reads_engine_logprobs, uses_critic, uses_reference
 from megatron_rlhf.config.ppo_schema import PPOConfig
@@ -355,22 +355,20 @@ class PPORun(GenerationAhead):
         return {"rollout/logprob_diff_max": float(gap.max())} | self.correct(batch, old, engine)
 
     def correct(self, batch: Experience, old: torch.Tensor, engine: torch.Tensor) -> dict[str, float]:
-        """Rollout correction (``algorithm.rollout_correction``): TIS weights into the batch,
-        samples whose ratio leaves the band out of ``train_rows``; returns the mismatch."""
+        """Rollout correction (``algorithm.rollout_correction``): IS weights into the batch,
+        tokens a token-level rejection drops out of ``loss_mask`` now (before the advantages, as
+        verl), samples a sequence-level one drops out of ``train_rows``; returns its metrics."""
         c, mask = self.cfg.algorithm.rollout_correction, batch["loss_mask"]
         if c.mode == "none":
             return {}
-        out = mismatch(old, engine, mask)
-        if "tis" in c.mode:
-            batch["is_weights"] = tis_weights(old, engine, mask, c.tis_cap, c.tis_level)
-            out["rollout/is_weight_mean"] = float(batch["is_weights"].sum() / mask.sum().clamp(min=1))
-            out["rollout/is_capped_fraction"] = float(
-                ((batch["is_weights"] >= c.tis_cap) * mask).sum() / mask.sum().clamp(min=1))
-        if "mask" in c.mode:
-            keep = sequence_keep(old, engine, mask, c.mask_low, c.mask_high, c.mask_level)
-            batch["train_rows"] = batch.get("train_rows", torch.ones_like(keep)) & keep
-            out["rollout/masked_fraction"] = float(1.0 - keep.float().mean())
-        return out
+        out = rollout_correction.correct(old, engine, mask, c)
+        if out.weights is not None:
+            batch["is_weights"] = out.weights
+        if out.rows is not None:
+            batch["train_rows"] = batch.get("train_rows", torch.ones_like(out.rows)) & out.rows
+        if out.tokens is not None:
+            batch["response_mask"], batch["loss_mask"] = mask, mask * out.tokens
+        return out.metrics
 
     def leave_out_untrained(self, gens: list[Generation], batch: Experience) -> None:
         """Zero the loss mask of samples the update must not train on: dynamic sampling's
@@ -381,7 +379,7 @@ class PPORun(GenerationAhead):
         if self.cfg.actor.overlong_filter:
             rows = rows & torch.tensor([g.finished for g in gens])
         if not bool(rows.all()):
-            batch["response_mask"] = batch["loss_mask"]
+            batch.setdefault("response_mask", batch["loss_mask"])  # a token rejection's is older
             batch["loss_mask"] = batch["loss_mask"] * rows[:, None]
 
     def advance_kl(self, adv: dict, batch: Experience) -> dict[str, float]:
