@@ -27,8 +27,9 @@ def test_demo_runs_end_to_end(tmp_path):
     assert (out / "ppo_curves.png").stat().st_size > 10_000
     assert summary["rm_val_accuracy"] > 0.9
     # PPO lifts held-out accuracy by at least 20 points over its SFT start. Set from the spread,
-    # not one run: benchmarks/demo_spread.py over 3 seeds x OMP 1/2 threads (which stand in for
-    # other CPUs' rounding): the worst of 6 runs gained +32.5 points, the median +42.5 (docs/benchmarks.md).
+    # not one run: benchmarks/demo_spread.py over 6 seeds (and OMP 1/2 threads for three of
+    # them, which gave the same runs): the worst gained +26.5 points, the median +32.5
+    # (docs/benchmarks.md, 2026-12-05).
     assert summary["ppo_oracle_acc"] - summary["sft_oracle_acc"] >= 0.20
     # The closing A/B test (megatron-rlhf ab-test, PPO vs SFT): its win rate and bootstrap
     # interval, printed and well-formed. No bar on the win rate itself: its spread is unmeasured.
