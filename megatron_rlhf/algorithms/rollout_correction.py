@@ -80,14 +80,18 @@ def tis_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: 
     with ``low > 0``, set to zero outside ``[low, cap]`` (IcePop: verl's
     ``rollout_is_threshold="low_cap"``); then, with ``batch_normalize``, divided by their mean
     (:func:`normalize_is_weights`, verl's ``rollout_is_batch_normalize``)."""
-    raw = raw_is_weights(old_logprob, rollout_logprob, mask, level)
-    if low > 0:
-        weights = torch.where((raw >= low) & (raw <= cap), raw, torch.zeros_like(raw))
-    else:
-        weights = raw.clamp(max=cap)
+    weights = bound_weights(raw_is_weights(old_logprob, rollout_logprob, mask, level), cap, low)
     if batch_normalize:
         weights = normalize_is_weights(weights, mask, level)[0]
     return weights
+
+
+def bound_weights(raw: torch.Tensor, cap: float, low: float = 0.0) -> torch.Tensor:
+    """Raw weights ``[B, T]`` capped at ``cap`` (TIS), or with ``low > 0`` zeroed outside
+    ``[low, cap]`` (IcePop)."""
+    if low > 0:
+        return torch.where((raw >= low) & (raw <= cap), raw, torch.zeros_like(raw))
+    return raw.clamp(max=cap)
 
 
 def normalize_is_weights(weights: torch.Tensor, mask: torch.Tensor,
@@ -240,7 +244,7 @@ def correct(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torc
     tokens = _tokens(mask)
     if "tis" in s.mode:
         raw = raw_is_weights(old_logprob, rollout_logprob, mask, s.tis_level)
-        weights = tis_weights(old_logprob, rollout_logprob, mask, s.tis_cap, s.tis_level, s.tis_low)
+        weights = bound_weights(raw, s.tis_cap, s.tis_low)
         out.metrics |= is_metrics(raw, weights, mask, s.tis_cap, s.tis_low)
         out.metrics["rollout/is_weight_mean"] = float(weights.sum() / tokens)
         out.metrics["rollout/is_capped_fraction"] = float(((weights >= s.tis_cap) * mask).sum() / tokens)
