@@ -44,22 +44,23 @@ class RewardOptions:
     format_pattern: str = DEFAULT_FORMAT_PATTERN
 
 
-def _format(options: RewardOptions):
+def _format(options: RewardOptions, key: str):
     from megatron_rlhf.rewards.verifiable import FormatReward
 
     return FormatReward(options.format_pattern)
 
 
-def _math(options: RewardOptions, key: str = "reward.fn"):
+def _math(options: RewardOptions, key: str):
     from megatron_rlhf.rewards.verifiable import math_reward, require_math_verify
 
     require_math_verify(key)  # never a quiet fallback to string equality
     return math_reward
 
 
-# name -> factory(options) -> function; the factories keep optional imports lazy.
-_REGISTRY: dict[str, Callable[[RewardOptions], Callable]] = {
-    "addition": lambda options: check_answer,
+# name -> factory(options, the config key naming it) -> function; the factories keep optional
+# imports lazy and name the key when they refuse.
+_REGISTRY: dict[str, Callable[[RewardOptions, str], Callable]] = {
+    "addition": lambda options, key: check_answer,
     "math": _math,
     "format": _format,
 }
@@ -70,7 +71,7 @@ IN_PROCESS_SAFE = frozenset({"addition"})
 def register(name: str, fn: Callable) -> None:
     """Make ``fn`` available as ``reward.fn=name`` (in this process; a pool worker resolves
     names itself, so prefer ``package.module:function`` for functions outside this package)."""
-    _REGISTRY[name] = lambda options: fn
+    _REGISTRY[name] = lambda options, key: fn
 
 
 def known_names() -> list[str]:
@@ -134,10 +135,8 @@ def resolve(spec: str, key: str = "reward.fn", options: RewardOptions = RewardOp
     """The function ``spec`` names; :class:`UserError` naming ``key`` when there is none."""
     if not isinstance(spec, str) or not spec.strip():
         raise UserError(f"config: {key}={spec!r} must name a reward function")
-    if spec == "math":
-        fn = _math(options, key)
-    elif spec in _REGISTRY:
-        fn = _REGISTRY[spec](options)
+    if spec in _REGISTRY:
+        fn = _REGISTRY[spec](options, key)
     elif spec.startswith("reasoning_gym:"):
         from megatron_rlhf.rewards.verifiable import ReasoningGymReward
 
