@@ -91,6 +91,8 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("rollout.backend", r.backend, ("hf", "sglang"))
     _choice("rollout.dtype", r.dtype, ("auto", "float32", "bfloat16", "float16"))
     _choice("resource_pool.critic", cfg.resource_pool.critic, ("shared", "separate"))
+    _choice("actor.router_replay", a.router_replay, ("none", "R2", "R3"))
+    _check_offload(cfg)
     check_parallel("actor.parallel", a.parallel, a.moe)
     if cfg.critic.parallel is not None:
         check_parallel("critic.parallel", cfg.critic.parallel, cfg.critic.moe)
@@ -132,6 +134,18 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
                         f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
     return cfg
+
+
+def _check_offload(cfg: PPOConfig) -> None:
+    """Frozen models have no gradients or optimizer to offload; offload is a colocated engine's."""
+    for name, off in (("actor.ref_offload", cfg.actor.ref_offload), ("reward.offload", cfg.reward.offload)):
+        if off.grads or off.optimizer:
+            raise UserError(f"config: {name} holds a frozen model: only {name}.params can be set "
+                            f"(got grads={off.grads}, optimizer={off.optimizer})")
+    if cfg.rollout.placement == "separate" and cfg.actor.offload.params:
+        raise UserError("config: actor.offload.params frees the trainer's GPUs for a colocated "
+                        "engine; with rollout.placement=separate the engines have GPUs of their "
+                        "own (offload grads/optimizer only, or place the engines colocated)")
 
 
 def _check_actor_passes(cfg: PPOConfig) -> None:

@@ -171,6 +171,22 @@ class AlgorithmConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What of a colocated model goes to host memory while it is not needed (verl's
+    ``param_offload`` / ``grad_offload`` / ``optimizer_offload``): its device storage is freed
+    while the rollout engine generates and between the phases that use it; each phase brings
+    back only what it needs (log-prob and value passes the parameters, the update all three,
+    the weight sync the parameters)."""
+
+    params: bool = False
+    """The weights (megatron DDP's contiguous parameter buffer, or a frozen model's tensors)."""
+    grads: bool = False
+    """The gradient buffer (trainable models only)."""
+    optimizer: bool = False
+    """The optimizer's fp32 main weights and Adam moments (trainable models only)."""
+
+
+@dataclass
 class ActorConfig:
     model_path: str = ""
     """Policy to start from: HF ``*ForCausalLM`` folder or a megatron_rlhf checkpoint (e.g. SFT's).
@@ -222,6 +238,16 @@ class ActorConfig:
     """Add ``kl_loss_coef * KL(actor || reference)`` to the actor loss (GRPO style)."""
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """The actor's state in host memory while the engine generates (colocated engines)."""
+    ref_offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """The reference model's weights in host memory outside its log-prob pass (``params`` only)."""
+    router_replay: str = "none"
+    """MoE routing replay on megatron-core's ``RouterReplay``: ``none``; ``R3`` (the rollout
+    engine's own top-k experts of every token and MoE layer, recorded while it generated, are
+    replayed in the old, reference and update passes: arXiv 2510.11370); ``R2`` (the old-policy
+    pass's routing, recorded, is replayed in the update's epochs). The router's probabilities
+    still come from the trainer's scores, so the router keeps its gradient."""
 
 
 @dataclass
@@ -237,6 +263,8 @@ class CriticConfig:
     """Defaults to ``actor.ppo_epochs``."""
     parallel: Optional[ParallelConfig] = None
     """Only with ``resource_pool.critic=separate``; otherwise the actor's layout."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """The critic's state in host memory outside its value pass and update."""
 
 
 @dataclass
@@ -277,6 +305,8 @@ class RewardConfig:
     """Seconds one call may take in a worker; a call over it, or one that raises, scores 0 and
     is counted (``reward/timeouts``, ``reward/errors``) and named in the log."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """The reward model's weights in host memory outside its scoring pass (``params`` only)."""
 
 
 @dataclass
