@@ -154,13 +154,16 @@ def ppo(ws: Path, out: Path, *extra: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("family, extra", [
-    ("qwen3_moe", ()),  # GAE with a Qwen3-MoE critic
-    ("deepseek_v3", ("algorithm.adv_estimator=grpo", "rollout.n=2")),
+    ("qwen3_moe", ("actor.router_replay=R2",)),  # GAE with a Qwen3-MoE critic
+    ("deepseek_v3", ("algorithm.adv_estimator=grpo", "rollout.n=2", "actor.router_replay=R3")),
 ])
 def test_ppo_trains_moe_policies_at_ep2(moe_workspaces, tmp_path, family, extra):
     rows = [r for r in ppo(moe_workspaces[family], tmp_path / "run", *extra) if "actor/pg_loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
-        # After each in-loop sync the engine scores its samples as the EP=2 actor does.
+        # After each in-loop sync the engine scores its samples as the EP=2 actor does, and
+        # (float32 both) routes every token as the trainer would: routing replay (R2, R3)
+        # runs end to end through the engine, the batch and the update.
         assert row["rollout/logprob_diff_max"] < 1e-4
+        assert row["moe/routing_agreement"] == 1.0
         assert 0.9 < row["actor/moe/load_balancing_loss"] < 2.0

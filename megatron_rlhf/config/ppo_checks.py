@@ -40,6 +40,7 @@ def reuses_update_log_probs(cfg: PPOConfig) -> bool:
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size >= samples
             and not cfg.algorithm.use_kl_in_reward
             and correction_mode(cfg) == "none"  # it compares them to the engine's
+            and cfg.actor.router_replay == "none"  # R2 records the old pass; R3 measures it
             and not cfg.algorithm.rollout_correction.bypass)  # the engine's are the old ones
 
 

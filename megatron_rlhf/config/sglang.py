@@ -24,10 +24,11 @@ OURS = ("model_path", "tp_size", "ep_size", "dtype", "load_format", "enable_memo
 
 
 def engine_args(cfg, hf_dir: str, dtype: str, gpu: int, nnodes: int = 1, node_rank: int = 0,
-                dist_init_addr: str | None = None) -> dict:
+                dist_init_addr: str | None = None, moe: bool = False) -> dict:
     """Keyword arguments of ``sglang.Engine`` for the ``rollout`` config ``cfg``: the process of
     an engine on node ``node_rank`` of its ``nnodes``, driving GPUs from ``gpu`` on; an engine
-    over several nodes meets at ``dist_init_addr`` (host:port of its first process)."""
+    over several nodes meets at ``dist_init_addr`` (host:port of its first process). A ``moe``
+    model's engine returns the experts it routed every token to (R3 routing replay)."""
     args = {"model_path": hf_dir, "tp_size": cfg.tp, "dtype": dtype,
             "load_format": "dummy",  # real weights arrive with the first sync
             "enable_memory_saver": True, "mem_fraction_static": cfg.gpu_memory_utilization,
@@ -38,6 +39,8 @@ def engine_args(cfg, hf_dir: str, dtype: str, gpu: int, nnodes: int = 1, node_ra
         args.update(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
     if cfg.deterministic:
         args["enable_deterministic_inference"] = True
+    if moe:
+        args["enable_return_routed_experts"] = True
     return {**args, **dict(cfg.engine_args)}
 
 

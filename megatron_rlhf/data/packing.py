@@ -130,9 +130,16 @@ def pack_token_grid(batch: dict, capacity: int, pad_id: int = 0) -> dict:
     targets[unpack_row[valid], unpack_col[valid]] = batch["targets"][valid]
     grid = {k: v for k, v in batch.items()
             if torch.is_tensor(v) and v.dim() == 2 and k not in ("input_ids", "targets")}
-    return {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
-            "targets": targets, "grid": {**grid, "unpack_row": unpack_row, "unpack_col": unpack_col},
-            **{k: v for k, v in batch.items() if not torch.is_tensor(v)}}
+    out = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
+           "targets": targets, "grid": {**grid, "unpack_row": unpack_row, "unpack_col": unpack_col},
+           **{k: v for k, v in batch.items() if not torch.is_tensor(v)}}
+    if "routing" in batch:  # MoE routing to replay, [n, T, L, K]: it follows the tokens
+        routing = batch["routing"]
+        packed_routing = torch.full((*packed.input_ids.shape, *routing.shape[2:]), -1,
+                                    dtype=routing.dtype)
+        packed_routing[unpack_row[valid], unpack_col[valid]] = routing[valid]
+        out["routing"] = packed_routing
+    return out
 
 
 def to_grid(per_token: torch.Tensor, batch: dict) -> torch.Tensor:

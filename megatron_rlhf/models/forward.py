@@ -47,14 +47,16 @@ def _pad_sequence(tokens: torch.Tensor, mask: torch.Tensor | None, extra: int):
     return tokens, mask
 
 
-def model_forward(model, batch: dict, hidden_states: bool = False) -> torch.Tensor:
+def model_forward(model, batch: dict, hidden_states: bool = False, replay=None) -> torch.Tensor:
     """Run one stage of ``model`` on ``batch`` (``input_ids [b, t]``, optional ``attention_mask``);
     with ``hidden_states`` the last stage returns its final hidden states ``[b, t, h]``, not
     logits (see :func:`megatron_rlhf.models.output_head.hidden_states_out`).
 
     Positions are 0..t-1 for every row; for packed rows that is fine because RoPE attention only
     sees relative positions within a sequence. Under sequence parallelism the rows are padded
-    to a multiple of TP and the last stage's output is cut back to ``t``.
+    to a multiple of TP and the last stage's output is cut back to ``t``. ``replay``: the
+    stage's :class:`~megatron_rlhf.models.routing_replay.RoutingReplay` (MoE routing replay or
+    recording), told the micro-batch and the shape the model runs at.
     """
     tokens = batch["input_ids"].to(device())
     mask = batch.get("attention_mask")
@@ -64,6 +66,8 @@ def model_forward(model, batch: dict, hidden_states: bool = False) -> torch.Tens
     if extra:
         tokens, mask = _pad_sequence(tokens, mask, extra)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    if replay is not None:
+        replay.before_forward(batch, *tokens.shape)
     if hidden_states:
         with hidden_states_out(model):
             output = model(tokens, positions, attention_mask=mask)
@@ -105,14 +109,14 @@ def _round_up(value: int, multiple: int) -> int:
 @torch.no_grad()
 def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str, torch.Tensor]],
                      head: Callable[[torch.Tensor, dict], Any],
-                     hidden_states: bool = False) -> list[Any]:
+                     hidden_states: bool = False, replay=None) -> list[Any]:
     """Run every micro-batch through all pipeline stages, forward only.
 
     Each micro-batch holds ``input_ids [b, t]`` and optionally ``attention_mask [b, 1, t, t]``.
     ``head(output, batch)`` runs on the last stage with the model's output ``[b, t, V_local]``
     (policy; vocab-parallel) or ``[b, t, 1]`` (value), cut back to the batch's real shape.
     With ``hidden_states`` the head gets the final hidden states ``[b, t, h]`` instead.
-    Returns the heads' results in micro-batch order on the last stage, ``[]`` on other stages.
+    ``replay``: see :func:`model_forward`. Returns the heads' results in micro-batch order on the last stage, ``[]`` on other stages.
     """
     if not micro_batches:
         return []
@@ -122,7 +126,7 @@ def pipeline_forward(model, groups: ParallelGroups, micro_batches: list[dict[str
 
     def forward_step(data_iterator, stage_model):
         batch = next(data_iterator)
-        output = model_forward(stage_model, batch, hidden_states)
+        output = model_forward(stage_model, batch, hidden_states, replay)
 
         def collect(output_tensor, non_loss_data=True):
             rows, length = batch.get("real_shape", batch["input_ids"].shape)

@@ -31,6 +31,8 @@ class ModelOptions:
     moe_expert_bias_update_rate: float = 1e-3
     moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
     expert_tensor_parallel_size: int = 1
+    moe_routing_replay: bool = False
+    """Give each router megatron's ``RouterReplay`` (routing is unchanged until it is driven)."""
 
 
 def _moe_kwargs(arch: ModelArch, options: ModelOptions) -> dict:
@@ -60,6 +62,7 @@ def _moe_kwargs(arch: ModelArch, options: ModelOptions) -> dict:
         moe_aux_loss_coeff=options.moe_aux_loss_coef,
         moe_z_loss_coeff=options.moe_z_loss_coef or None,
         expert_tensor_parallel_size=options.expert_tensor_parallel_size,
+        moe_enable_routing_replay=options.moe_routing_replay,
     )
 
 

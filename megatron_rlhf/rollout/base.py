@@ -30,6 +30,8 @@ class SamplingParams:
     logprobs: bool = True
     """Record ``Generation.logprobs``; without, they are empty and the engine skips the
     full-vocabulary ``log_softmax`` of every decode step."""
+    routed_experts: bool = False
+    """MoE models: record ``Generation.routing``, the experts the engine chose (R3 replay)."""
 
 
 @dataclass
@@ -50,6 +52,10 @@ class Generation:
     """Multi-turn samples: index in ``tokens`` of each turn's last policy token."""
     turn_scores: list[float] | None = None
     """Multi-turn samples: the rule-based reward of each turn."""
+    routing: torch.Tensor | None = None
+    """``SamplingParams.routed_experts``: the top-k expert ids the engine's routers chose for
+    every token it read, ``[prompt + response - 1, moe_layers, topk]`` int16 (the last response
+    token is never read back in), MoE layers in model order."""
 
 
 class Generator(Protocol):

@@ -3,6 +3,8 @@ of a worker group (:mod:`megatron_rlhf.distributed.engine_placement`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megatron_rlhf.config.ppo_schema import RolloutConfig
@@ -66,6 +68,6 @@ def stitched(per_replica: list) -> list[Generation]:
     out, offset = [], 0
     for _, part in sorted((r for r in per_replica if r is not None), key=lambda r: r[0]):
         for g in part:
-            out.append(Generation(g.prompt_index + offset, g.tokens, g.logprobs, g.finished))
+            out.append(replace(g, prompt_index=g.prompt_index + offset))
         offset += len({g.prompt_index for g in part})
     return out

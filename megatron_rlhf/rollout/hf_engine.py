@@ -156,6 +156,8 @@ class HFGenerator:
         recorder = _ChosenLogprobs(params.temperature if sample else 1.0)
         hooks = [self.model.register_forward_pre_hook(recorder.before_step, with_kwargs=True),
                  self.model.register_forward_hook(recorder.after_step)] if params.logprobs else []
+        routes = _RoutedExperts(self.model, len(rows)) if params.routed_experts else None
+        hooks += routes.hooks if routes is not None else []
         try:
             result = self.model.generate(input_ids=ids.to(self.device),
                                          attention_mask=mask.to(self.device), **kwargs)
@@ -174,7 +176,35 @@ class HFGenerator:
                     break
             logprobs = chosen[r, :len(tokens)].tolist() if chosen is not None else []
             out.append(Generation(i, tokens, logprobs, finished))
+            if routes is not None:  # the prompt's real tokens (left padding cut) and the response's
+                out[-1].routing = routes.row(r, width - len(prompts[i]), width + len(tokens) - 1)
         return out
+
+
+class _RoutedExperts:
+    """Top-k expert ids of every MoE router, via forward hooks: transformers' routers
+    (Qwen2/3-MoE ``*TopKRouter``, DeepSeek-V3 ``DeepseekV3TopkRouter``) return their ids last,
+    ``[rows * positions, K]`` row-major."""
+
+    def __init__(self, model, rows: int):
+        routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+        if not routers:
+            raise ValueError(f"routed experts asked of {type(model).__name__}, which has no MoE router")
+        self.rows, self.steps = rows, [[] for _ in routers]
+        self.hooks = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+
+    def _hook(self, index: int):
+        def record(_module, _args, output):
+            ids = output[-1]
+            ids = ids.full_tensor() if _is_dtensor(ids) else ids
+            self.steps[index].append(ids.detach().to("cpu", torch.int16).view(self.rows, -1, ids.shape[-1]))
+        return record
+
+    def row(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Positions ``start:end`` of ``row``: ``[end - start, layers, K]``."""
+        if not hasattr(self, "_all"):
+            self._all = torch.stack([torch.cat(steps, dim=1) for steps in self.steps], dim=2)
+        return self._all[row, start:end].clone()
 
 
 class _ChosenLogprobs:

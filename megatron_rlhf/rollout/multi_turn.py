@@ -61,5 +61,7 @@ def run_turns(generate: Callable[[list[list[int]], SamplingParams], list[Generat
             samples[i] = replace(
                 s, tokens=tokens, logprobs=s.logprobs + [0.0] * len(feedback) + answer.logprobs,
                 finished=answer.finished, mask=s.mask + [0] * len(feedback) + [1] * len(answer.tokens),
-                turn_ends=s.turn_ends + [len(tokens) - 1], turn_scores=s.turn_scores + [answer_score])
+                turn_ends=s.turn_ends + [len(tokens) - 1], turn_scores=s.turn_scores + [answer_score],
+                # The answer's engine read the whole context again: its routing covers it all.
+                routing=answer.routing)
     return samples

@@ -38,6 +38,7 @@ class SGLangGenerator:
         self.group = engine_groups(slot) if slot.tp > 1 else None
         address = engine_addresses(slot)  # collective
         proc = slot.process
+        self.moe_shape = _moe_shape(hf_dir)
         if proc is not None:
             import sglang
 
@@ -45,7 +46,7 @@ class SGLangGenerator:
                 os.environ["SGLANG_BLOCK_NONZERO_RANK_CHILDREN"] = "0"
             self.engine = sglang.Engine(**engine_args(
                 cfg, hf_dir, str(dtype).removeprefix("torch."), local_gpu(min(proc.gpus)),
-                proc.nnodes, proc.node_rank, address))
+                proc.nnodes, proc.node_rank, address, moe=self.moe_shape[1] > 0))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
@@ -80,9 +81,10 @@ class SGLangGenerator:
             return []
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         stops = {*params.stop_token_ids, *self.eos_ids}
+        extra = {"return_routed_experts": True} if params.routed_experts else {}
         outputs = self.engine.generate(input_ids=[prompts[i] for i in rows],
                                        sampling_params=sampling_args(params, len(rows)),
-                                       return_logprob=True)
+                                       return_logprob=True, **extra)
         result = []
         for row, out in zip(rows, outputs):
             meta = out["meta_info"]
@@ -92,7 +94,37 @@ class SGLangGenerator:
             finished = ((meta.get("finish_reason") or {}).get("type") == "stop"
                         or bool(tokens) and tokens[-1] in stops)
             result.append(Generation(row, tokens, logprobs, finished))
+            if params.routed_experts:
+                result[-1].routing = routed_experts(meta, len(prompts[row]) + len(tokens) - 1,
+                                                    self.moe_shape)
         return result
+
+
+def _moe_shape(hf_dir: str) -> tuple[int, int]:
+    """(MoE layers, experts per token) of the model; (0, 0) for a dense one."""
+    from megatron_rlhf.convert.checkpoints import read_hf_arch
+
+    moe = read_hf_arch(hf_dir).moe
+    return (sum(moe.layer_pattern), moe.topk) if moe is not None else (0, 0)
+
+
+def routed_experts(meta: dict, positions: int, shape: tuple[int, int]) -> torch.Tensor:
+    """SGLang's ``meta_info["routed_experts"]`` (base64 of int32 ``[tokens, layers, topk]`` over
+    the tokens the engine ran) as the first ``positions`` tokens' ``[positions, layers, topk]``
+    int16."""
+    import base64
+
+    import numpy as np
+
+    if meta.get("routed_experts") is None:
+        raise RuntimeError("sglang returned no routed experts: the engine needs "
+                           "enable_return_routed_experts (set for MoE models)")
+    flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+    per_token = shape[0] * shape[1]
+    if flat.size % per_token or flat.size // per_token < positions:
+        raise RuntimeError(f"sglang returned {flat.size} routed expert ids; {positions} tokens of "
+                           f"{shape[0]} MoE layers x top-{shape[1]} need {positions * per_token}")
+    return torch.from_numpy(flat.copy()).view(-1, *shape)[:positions].to(torch.int16)
 
 
 def local_gpu(gpu: int) -> int:

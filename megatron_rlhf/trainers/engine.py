@@ -114,13 +114,15 @@ class StepResult:
 
 def train_step(trainable: Trainable, micro_batches: list[dict],
                loss_fn: Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]],
-               raise_on_nonfinite: bool = True, hidden_states: bool = False) -> StepResult:
+               raise_on_nonfinite: bool = True, hidden_states: bool = False,
+               replay=None) -> StepResult:
     """One optimizer step over ``micro_batches`` (this rank's share of the global batch).
 
     Inf/NaN gradients raise :class:`UserError`, or with ``raise_on_nonfinite=False`` come back as
     a NaN ``grad_norm`` for a caller that can undo the step (PPO's rollback guard).
     ``hidden_states``: the last stage's output is its hidden states, not logits (see
-    :func:`megatron_rlhf.models.output_head.hidden_states_out`).
+    :func:`megatron_rlhf.models.output_head.hidden_states_out`). ``replay``: MoE routing replay
+    (:class:`~megatron_rlhf.models.routing_replay.RoutingReplay`), driven per micro-batch.
 
     ``loss_fn(output, batch)`` gets the last stage's output (``[b, t, ...]``, padded rows included
     when PP > 1) and returns the micro-batch's mean loss and a dict of metric sums. Megatron averages the loss over micro-batches
@@ -135,7 +137,8 @@ def train_step(trainable: Trainable, micro_batches: list[dict],
 
     def forward_step(data_iterator, stage_model):
         batch = next(data_iterator)
-        return model_forward(stage_model, batch, hidden_states), lambda output: loss_fn(output, batch)
+        return (model_forward(stage_model, batch, hidden_states, replay),
+                lambda output: loss_fn(output, batch))
 
     metrics = run_schedule(model, groups, micro_batches, forward_step, forward_only=False)
     lr = trainable.optimizer.param_groups[0]["lr"]  # the rate this step applies

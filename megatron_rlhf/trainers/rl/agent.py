@@ -38,6 +38,7 @@ from megatron_rlhf.rollout.engines import stitched
 from megatron_rlhf.trainers.rl.ahead import GenerationAhead
 from megatron_rlhf.trainers.loop import epoch_order
 from megatron_rlhf.trainers.rl.experience import Experience, build_batch, sample_kl, token_kl
+from megatron_rlhf.trainers.rl.routing import recorded_routing
 from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
@@ -233,7 +234,29 @@ class PPORun(GenerationAhead):
                               top_p=1.0 if validation else r.top_p,
                               top_k=0 if validation else r.top_k, n=1 if validation else r.n,
                               stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step,
-                              logprobs=not validation and reads_engine_logprobs(self.cfg))
+                              logprobs=not validation and reads_engine_logprobs(self.cfg),
+                              routed_experts=not validation and self.policy_is_moe)
+
+    @cached_property
+    def policy_is_moe(self) -> bool:
+        """A mixture-of-experts policy: its engines record their routing (R3 replays it, and
+        ``moe/routing_agreement`` measures it every step)."""
+        from megatron_rlhf.trainers.rl.worker import policy_files
+
+        return bool(self.cfg.actor.model_path) and policy_files(self.cfg.actor.model_path)[0].moe is not None
+
+    def check_routing_replay(self) -> None:
+        """``actor.router_replay`` refused for a dense policy; said once when some samples will
+        carry no engine routing (offline data: their routers choose for themselves)."""
+        mode = self.cfg.actor.router_replay
+        if mode == "none":
+            return
+        if not self.policy_is_moe:
+            raise UserError(f"actor.router_replay={mode} replays mixture-of-experts routing; "
+                            f"{self.cfg.actor.model_path} is a dense model (set it to none)")
+        if mode == "R3" and self.offline:
+            self.log("actor.router_replay=R3: data.offline_files' samples have no engine routing "
+                     "to replay; the trainer's routers choose their experts themselves")
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, turns: int = 1) -> list[Generation]:
         """``params.n`` samples per prompt; with ``turns > 1`` multi-turn ones (see
@@ -345,14 +368,18 @@ class PPORun(GenerationAhead):
         if not (need_old or need_ref):
             return {}
         parts = stitch(self.actor.call(PPOWorker.compute_log_probs, batch, need_old, need_ref))
-        old, ref = (cat_rows(p) for p in zip(*parts))
+        old, ref, own = (cat_rows(p) for p in zip(*parts))
         batch["ref_logprobs"] = ref
         if old is None:
             return {}
         batch["old_logprobs"] = old
         engine = engine_logprobs(gens, batch["loss_mask"])
         gap = (engine - old).abs() * batch["loss_mask"]
-        return {"rollout/logprob_diff_max": float(gap.max())} | self.correct(batch, old, engine)
+        mask = batch["loss_mask"]
+        return ({"rollout/logprob_diff_max": float(gap.max()),
+                 "rollout/logprob_diff_mean": float(gap.sum() / mask.sum().clamp(min=1))}
+                | recorded_routing(batch, own, self.cfg.actor.router_replay)
+                | self.correct(batch, old, engine))
 
     def correct(self, batch: Experience, old: torch.Tensor, engine: torch.Tensor) -> dict[str, float]:
         """Rollout correction (``algorithm.rollout_correction``): IS weights into the batch,

@@ -30,7 +30,8 @@ class Experience(TypedDict, total=False):
       ``train_rows``;
     - ``RLRun.update``: ``advantages``, ``returns``; ``PPORun.leave_out_untrained``:
       ``response_mask`` (and a narrowed ``loss_mask``);
-    - a population's play mode: ``preferences``, ``population_group``, ``population_rows``.
+    - a population's play mode: ``preferences``, ``population_group``, ``population_rows``;
+    - MoE routing replay: ``routing`` (:func:`build_batch` from the engine's, or the old pass's).
     """
 
     input_ids: torch.Tensor  # [N, T] long: prompt + response tokens, right-padded with pad_id
@@ -50,6 +51,9 @@ class Experience(TypedDict, total=False):
     preferences: torch.Tensor  # [M, M] float: P(row beats column), over the population's M samples
     population_group: torch.Tensor  # [M] long: the prompt of each population sample
     population_rows: torch.Tensor  # [N] long: this agent's samples among the M
+    routing: torch.Tensor  # [N, T, L, K] int16 on the *input* grid: the top-k experts of MoE
+    #   layer L for the token at position t, as the rollout engine chose them (R3) or the old
+    #   pass did (R2); -1 where unknown (padding, a sequence's last token, an offline sample)
 
 
 EXPERIENCE_FIELDS = frozenset(Experience.__annotations__)
@@ -78,9 +82,17 @@ def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], p
                                                          torch.tensor(gen.mask, dtype=torch.float))
     targets = torch.full_like(input_ids, pad_id)
     targets[:, :-1] = input_ids[:, 1:]
-    return {"input_ids": input_ids, "targets": targets, "loss_mask": loss_mask,
-            "lengths": torch.tensor([[len(s)] for s in sequences]),
-            "group": torch.tensor([g.prompt_index for g in generations])}
+    batch = {"input_ids": input_ids, "targets": targets, "loss_mask": loss_mask,
+             "lengths": torch.tensor([[len(s)] for s in sequences]),
+             "group": torch.tensor([g.prompt_index for g in generations])}
+    recorded = [g.routing for g in generations if g.routing is not None]
+    if recorded:
+        routing = torch.full((count, width, *recorded[0].shape[1:]), -1, dtype=torch.int16)
+        for row, gen in enumerate(generations):
+            if gen.routing is not None:
+                routing[row, :len(gen.routing)] = gen.routing
+        batch["routing"] = routing
+    return batch
 
 
 def compute_advantages(batch: Experience, scores: torch.Tensor, cfg: AlgorithmConfig, kl_coef: float,

@@ -79,6 +79,7 @@ def start(run: RLRun) -> None:
         for agent in run.agents.values():
             agent.sync_weights(run.step)
     for agent in run.agents.values():
+        agent.check_routing_replay()
         agent.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,
                                kept=kept)

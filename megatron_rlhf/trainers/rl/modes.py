@@ -227,7 +227,8 @@ class CritiqueRevise:
             joined.append(Generation(
                 a.prompt_index, a.tokens + critique_ids + c.tokens + revise_ids + f.tokens,
                 a.logprobs + [0.0] * between + f.logprobs, f.finished,
-                mask=[1] * len(a.tokens) + [0] * between + [1] * len(f.tokens)))
+                mask=[1] * len(a.tokens) + [0] * between + [1] * len(f.tokens),
+                routing=f.routing))  # the final call read the whole context: its routing covers it
         with timer(f"reward/{self.answerer}"):
             # The final answer alone, after the question, is what is scored (a reward model
             # never sees the critique; a length penalty counts the final turn).
@@ -238,7 +239,8 @@ class CritiqueRevise:
         mine = Episode(prompts, joined, batch, scored)
         critic_prompts = [Prompt(tuple(s), prompts[a.prompt_index].ground_truth,
                                  prompts[a.prompt_index].text) for s, a in zip(seen, answers)]
-        critic_gens = [Generation(row, c.tokens, c.logprobs, c.finished) for row, c in enumerate(critiques)]
+        critic_gens = [Generation(row, c.tokens, c.logprobs, c.finished, routing=c.routing)
+                       for row, c in enumerate(critiques)]
         critic_batch = build_batch([p.ids for p in critic_prompts], critic_gens, critic.pad_id)
         critic_batch["group"] = torch.tensor([a.prompt_index for a in answers])  # per question
         if critic.cfg.reward.model_path == answerer.cfg.reward.model_path:  # the same judge

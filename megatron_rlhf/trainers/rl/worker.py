@@ -99,6 +99,8 @@ def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = 
         index = torch.tensor(rows[start:start + size])
         length = int(batch["lengths"][index].max())
         micro = {k: v[index, :length] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        if "routing" in batch:  # MoE routing to replay: [N, T, L, K]
+            micro["routing"] = batch["routing"][index, :length]
         micro |= extra or {}
         # A multi-turn sample may outgrow one prompt + one response: it then gets a row alone.
         out.append(pack_token_grid(micro, max(pack_capacity, length)) if pack_capacity else micro)
@@ -152,8 +154,14 @@ class PPOWorker:
         from megatron_rlhf.rollout.engines import make_generator
         from megatron_rlhf.rollout.weight_sync import WeightSync
 
+        from dataclasses import replace
+
+        from megatron_rlhf.trainers.rl.routing import routing_replay
+
         cfg = self.config
-        options = model_options(cfg.actor.parallel, cfg.actor.moe)
+        # Routers get megatron's RouterReplay: recorded every step (moe/routing_agreement),
+        # replayed with actor.router_replay.
+        options = replace(model_options(cfg.actor.parallel, cfg.actor.moe), moe_routing_replay=True)
         model, self.arch, self.hf_dir, self.padded = load_policy(cfg.actor.model_path, self.groups,
                                                                  self.dtype, options)
         self.ref = None
@@ -169,6 +177,9 @@ class PPOWorker:
                 p.requires_grad_(False)
         self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates,
                                     cfg.actor.parallel.use_distributed_optimizer)
+        sp = cfg.actor.parallel.sequence_parallel
+        self.replay = routing_replay(self.actor.module, self.arch, self.groups, sp)
+        self.ref_replay = None if self.ref is None else routing_replay(self.ref, self.arch, self.groups, sp)
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, local_files_only=True)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir, local_files_only=True)
         self.pad_id = pad_id(self.tokenizer)
@@ -273,10 +284,24 @@ class PPOWorker:
         size = self.config.actor.ppo_micro_batch_size_per_rank
         return micro_batches(batch, rows, size, extra, self.pack_capacity), rows
 
-    def _forward(self, model, batch: dict, head, hidden_states: bool = False) -> torch.Tensor | None:
+    def _forward(self, model, batch: dict, head, hidden_states: bool = False,
+                 replay=None, which: str = "old") -> torch.Tensor | None:
+        """``head``'s results ``[n_mine, ...]``; with a MoE ``replay`` driver, replaying and
+        recording as ``which`` pass does (the routers' own choices land in ``self.own_routing``)."""
+        from megatron_rlhf.trainers.rl.routing import own_routing, pass_mode
+
         mine = self._mine(batch)
         micro, order = self._micro(batch, mine)
-        outputs = pipeline_forward(model, self.groups, micro, head, hidden_states)
+        if replay is not None:
+            replay.start(*pass_mode(self.config.actor.router_replay, batch, which))
+        try:
+            outputs = pipeline_forward(model, self.groups, micro, head, hidden_states, replay)
+            if replay is not None and replay.recording:
+                self.own_routing = own_routing(replay, self.groups, micro, order, mine,
+                                               batch["input_ids"].shape[1])
+        finally:
+            if replay is not None:
+                replay.stop()
         if not outputs:
             return None
         width = batch["input_ids"].shape[1]
@@ -292,18 +317,19 @@ class PPOWorker:
         for the ones not asked for)."""
         temperature = scoring_temperature(self.config.rollout.temperature)
 
-        def log_probs(model):
+        def log_probs(model, replay, which):
             head = self._output_head(model)
             if head is None:
                 score = lambda out, b: (grid_logprobs(out, b, self.arch.vocab_size, self.groups,  # noqa: E731
                                                       temperature) * grid_tensor(b, "loss_mask"))
-                return self._forward(model, batch, score)
+                return self._forward(model, batch, score, replay=replay, which=which)
             score = lambda out, b: loss_positions_logprobs(out, b, head, temperature)[0]  # noqa: E731
-            return self._forward(model, batch, score, hidden_states=True)
+            return self._forward(model, batch, score, hidden_states=True, replay=replay, which=which)
 
-        old = log_probs(self.actor.module) if old else None
-        ref = log_probs(self.ref) if ref else None
-        return self._output((old, ref))
+        self.own_routing = None
+        old = log_probs(self.actor.module, self.replay, "old") if old else None
+        ref = log_probs(self.ref, self.ref_replay, "ref") if ref else None
+        return self._output((old, ref, self.own_routing))
 
     def _output_head(self, model):
         """The chunked output head of ``model`` (``actor.logprob_chunk_tokens``); None when full
@@ -327,8 +353,10 @@ class PPOWorker:
 
     # ----------------------------------------------------------------------------- updates
     def _update(self, trainable, batch: dict, epochs: int, step: int, loss, keys, denominator,
-                hidden_states: bool = False):
+                hidden_states: bool = False, replay=None):
         """``epochs`` passes of mini-batch optimizer steps over the whole batch."""
+        from megatron_rlhf.trainers.rl.routing import pass_mode
+
         cfg, g = self.config, self.groups
         count = batch["input_ids"].shape[0]
         plan = batch_plan(min(cfg.actor.ppo_mini_batch_size, count),
@@ -347,8 +375,14 @@ class PPOWorker:
                 for m in micro:
                     m["loss_weight"] = weight
                 # Inf/NaN comes back as metrics: the driver's guard rolls the step back.
-                result = train_step(trainable, micro, loss, raise_on_nonfinite=False,
-                                    hidden_states=hidden_states)
+                if replay is not None:
+                    replay.start(*pass_mode(cfg.actor.router_replay, batch, "update"))
+                try:
+                    result = train_step(trainable, micro, loss, raise_on_nonfinite=False,
+                                        hidden_states=hidden_states, replay=replay)
+                finally:
+                    if replay is not None:
+                        replay.stop()
                 sums.append(reduce_metrics(result.metrics, g, keys)
                             | {"grad_norm": result.grad_norm, "lr": result.lr, **result.moe})
         return sums
@@ -367,7 +401,7 @@ class PPOWorker:
                                          horizon=self.horizon, head=head)
         sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
                             lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
-                            hidden_states=bool(cfg.logprob_chunk_tokens))
+                            hidden_states=bool(cfg.logprob_chunk_tokens), replay=self.replay)
         out = _average(sums, "actor")
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
