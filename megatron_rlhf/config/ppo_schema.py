@@ -22,7 +22,9 @@ class PPODataConfig:
     val_files: list[str] = field(default_factory=list)
     """Held-out prompts, same layout; validated greedily every ``trainer.eval_every_steps``."""
     prompt_key: str = "prompt"
+    """Column of the prompt (a string, or chat messages rendered by the tokenizer's chat template)."""
     ground_truth_key: str = "ground_truth"
+    """Column of the answer the rule-based checker (``reward.fn``) compares with."""
     max_prompt_length: int = 512
     """Longest prompt in tokens after the chat template; longer prompts follow ``overlong``."""
     max_response_length: int = 512
@@ -35,6 +37,7 @@ class PPODataConfig:
     """Pack each micro-batch's samples into rows of ``max_prompt_length + max_response_length``
     tokens (block-diagonal attention) instead of padding every sample to the longest."""
     shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded by ``trainer.seed`` and the epoch)."""
     offline_files: list[str] = field(default_factory=list)
     """Parquet of responses to train on without generating them (``megatron_rlhf.data.offline``):
     ``prompt`` + ``response`` (+ ``behaviour_logprobs`` per token, + the ground truth), or the
@@ -66,6 +69,7 @@ class FilterGroupsConfig:
     holds ``data.train_batch_size`` groups with signal."""
 
     enable: bool = False
+    """Turn dynamic sampling on (``algorithm.filter_groups``)."""
     metric: str = "score"
     """What must differ within a group: ``score`` (the training score) or ``oracle``."""
     max_rounds: int = 4
@@ -194,6 +198,7 @@ class ActorConfig:
     ref_model_path: Optional[str] = None
     """The frozen reference (KL terms): default ``model_path``, the policy's own start."""
     dtype: str = "auto"
+    """Parameter dtype of the actor and reference: ``auto`` (float32 on CPU, bfloat16 on GPU), float32, bfloat16."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts training settings (also used by the reference model's layout)."""
@@ -216,12 +221,15 @@ class ActorConfig:
     at response positions only, through the output layer this many tokens at a time: no
     ``[tokens x vocab]`` logits are kept. 0: full logits on every position (the older path)."""
     clip_ratio: float = 0.2
+    """PPO's clip range of the ratio, both sides unless ``clip_ratio_low``/``clip_ratio_high`` are set."""
     clip_ratio_low: Optional[float] = None
     """Lower clip (defaults to ``clip_ratio``); DAPO's clip-higher sets ``clip_ratio_high`` apart."""
     clip_ratio_high: Optional[float] = None
+    """Upper clip (defaults to ``clip_ratio``)."""
     clip_ratio_c: float = 3.0
     """Dual-clip constant for negative advantages (> 1; 0 disables)."""
     entropy_coeff: float = 0.0
+    """Weight of the entropy bonus in the actor loss (0: off)."""
     loss_agg_mode: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm
     (per-sequence sums over ``data.max_response_length``, Dr. GRPO)."""
@@ -237,7 +245,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     """Add ``kl_loss_coef * KL(actor || reference)`` to the actor loss (GRPO style)."""
     kl_loss_coef: float = 0.001
+    """Weight of the KL loss (``use_kl_loss``), per token."""
     kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss: ``k1``, ``abs``, ``k2`` (= ``mse``) or ``k3`` (= ``low_var_kl``)."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """The actor's state in host memory while the engine generates (colocated engines)."""
     ref_offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -273,8 +283,11 @@ class OverlongBufferConfig:
     tokens, then linearly down to ``-penalty_factor`` at ``max_response_length``."""
 
     enable: bool = False
+    """Add the overlong penalty to the score."""
     len: int = 16
+    """Tokens before ``max_response_length`` where the penalty starts."""
     penalty_factor: float = 1.0
+    """The penalty at ``max_response_length`` (reward units)."""
 
 
 @dataclass
@@ -289,6 +302,7 @@ class RewardConfig:
     (``megatron_rlhf.rewards.registry`` documents the arguments). It also gives
     ``reward/oracle_mean`` unless ``oracle_fn`` is set."""
     rm_weight: float = 1.0
+    """Weight of the reward model's score in the training score."""
     fn_weight: float = 1.0
     """The score is ``rm_weight * rm + fn_weight * fn`` over the configured sources."""
     oracle_fn: Optional[str] = None
@@ -340,7 +354,9 @@ class RolloutConfig:
     n: int = 1
     """Samples per prompt (GRPO/RLOO need > 1)."""
     temperature: float = 1.0
+    """Sampling temperature of training rollouts (0: greedy); the trainer scores at the same temperature."""
     top_p: float = 1.0
+    """Nucleus sampling of training rollouts (1.0: off)."""
     top_k: int = 0
     """0 or -1 disables."""
     stop: list[str] = field(default_factory=list)
@@ -352,6 +368,7 @@ class RolloutConfig:
     with a stop token), the environment answers ``retry_feedback`` as a user turn and the policy
     tries again, up to this many turns; each turn's reward lands on its last token."""
     retry_feedback: str = "That is not right. Try again."
+    """The user turn the environment answers a wrong turn with (``max_turns > 1``)."""
     bucket_size_mb: float = 512.0
     """Weight-sync bucket: at most this many MiB of weights in flight per rank."""
     gpu_memory_utilization: float = 0.4
@@ -387,6 +404,7 @@ class PPOTrainerConfig(TrainerConfig):
     n_gpus_per_node: int = 1
     """Worker processes per node (one per GPU; on CPU one per process you give it)."""
     nnodes: int = 1
+    """Nodes of the job (Slurm: the allocation's)."""
     rollback: RollbackConfig = field(default_factory=RollbackConfig)
     critic_warmup: int = 0
     """Steps at the start (of a fresh run) that update only the critic, so the first policy
@@ -416,6 +434,7 @@ class ResourcePoolConfig:
     """``shared``: critic and reward model live in the actor's workers (time-shared);
     ``separate``: their own worker group of ``critic_world_size`` processes."""
     critic_world_size: int = 1
+    """Ranks of the separate critic group (``critic=separate``)."""
 
 
 @dataclass
@@ -462,6 +481,7 @@ class MultiAgentConfig:
     proposer: Optional[str] = None
     """proposer-solver: the agent that writes tasks (default the first); the other solves."""
     proposer_prompt: str = "Write a question."
+    """proposer-solver: the instruction the proposer answers with a task."""
     task: str = "addition"
     """proposer-solver's task family: what a proposal must parse as, and its checker."""
     task_high: int = 19
@@ -469,7 +489,9 @@ class MultiAgentConfig:
     answerer: Optional[str] = None
     """critique-revise: the agent that answers and revises (default the first)."""
     critique_prompt: str = " Check this answer."
+    """critique-revise: appended after the answer for the critic."""
     revise_prompt: str = " Final answer:"
+    """critique-revise: appended after the critique for the answerer's revision."""
 
 
 @dataclass

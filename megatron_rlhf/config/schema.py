@@ -87,13 +87,15 @@ class DataConfig:
     """Examples over a limit: ``truncate`` (keep the prompt's end and the response's start) or
     ``drop``; the counts are reported at start."""
     train_batch_size: int = 64
-    """Examples per optimizer step, global (summed over data-parallel ranks)."""
+    """Examples (preference pairs for train-rm, conversations for sft) per optimizer step,
+    global (summed over data-parallel ranks)."""
     micro_batch_size_per_rank: int = 8
-    """Examples per forward/backward pass on one data-parallel rank."""
+    """Examples (pairs, conversations) per forward/backward pass on one data-parallel rank."""
     use_remove_padding: bool = True
     """Pack sequences into rows of ``max_prompt_length + max_response_length`` tokens instead of
     padding each to the longest: projections and MLPs see no padding tokens."""
     shuffle: bool = True
+    """Shuffle the examples each epoch (seeded by ``trainer.seed`` and the epoch)."""
     """Reshuffle the training examples every epoch (seeded by ``trainer.seed`` and the epoch)."""
 
 
