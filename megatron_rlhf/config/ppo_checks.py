@@ -175,7 +175,6 @@ def reads_engine_logprobs(cfg: PPOConfig) -> bool:
 def _check_rollout_layout(cfg: PPOConfig) -> None:
     """Engine experts, placement, the separate group's size and staleness."""
     r, alg = cfg.rollout, cfg.algorithm
-    correction = alg.rollout_correction
     check_positive("rollout.ep", r.ep)
     check_positive("rollout.world_size", r.world_size)
     if r.placement not in ("colocated", "separate"):
@@ -184,13 +183,13 @@ def _check_rollout_layout(cfg: PPOConfig) -> None:
         raise UserError(f"config: rollout.max_staleness={r.max_staleness} must be >= 0, and "
                         "> 0 only with rollout.placement=separate (colocated engines share the "
                         "trainer's devices: nothing runs while they generate)")
-    if r.max_staleness and (alg.filter_groups.enable or r.max_turns > 1 or correction.bypass
+    # With bypass a stale engine's log-probs are the behaviour policy's, the one that sampled:
+    # the PPO ratio against them is off-policy PPO's own (verl's bypass mode, one-step-off).
+    if r.max_staleness and (alg.filter_groups.enable or r.max_turns > 1
                             or cfg.multi_agent.mode != "solo"):
         raise UserError(f"config: rollout.max_staleness={r.max_staleness} generates whole steps "
                         "ahead: not with algorithm.filter_groups, rollout.max_turns > 1 or a "
-                        "multi_agent.mode other than solo (not built), nor "
-                        "rollout_correction.bypass (a stale engine's log-probs are not the old "
-                        "policy's)")
+                        "multi_agent.mode other than solo (not built)")
     if r.placement == "separate" and r.world_size % r.tp:
         raise UserError(f"config: rollout.tp={r.tp} does not divide the separate rollout group's "
                         f"rollout.world_size={r.world_size} ranks")
