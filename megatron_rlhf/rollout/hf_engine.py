@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 
 from megatron_rlhf.distributed.platform import bridge_suspended
-from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.rollout.base import MEMORY_TAGS, Generation, SamplingParams, memory_tags
 
 
 # A checkpoint's per-expert weight (transformers 5 saves experts one by one, fuses them in memory).
@@ -46,6 +46,7 @@ class HFGenerator:
         self._tied = {n for n in state if n not in self._params and n not in self._buffers}
         # Sharded fused expert tensors being assembled from per-expert ones: name -> (full, seen)
         self._assembling: dict[str, list] = {}
+        self.resident = set(MEMORY_TAGS)  # what release_memory / resume_memory last left
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take each tensor's values. A contiguous tensor of the right dtype and device is adopted
@@ -107,18 +108,26 @@ class HFGenerator:
                 del self._assembling[fused_name]
         return True
 
-    def release_memory(self) -> None:
-        """Drop the weight storage (this rank's shard of each DTensor in an engine of several ranks)."""
-        for param in self._params.values():
-            _storage_holder(param).data = torch.empty(0, dtype=param.dtype, device=param.device)
-        self._released = True
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``weights``: drop the weight storage (this rank's shard of each DTensor in an engine
+        of several ranks). ``kv_cache``: transformers allocates it per :meth:`generate` call and
+        frees it after, so this tag is a state that :meth:`generate` checks."""
+        tags = memory_tags(tags)
+        if "weights" in tags:
+            for param in self._params.values():
+                _storage_holder(param).data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.resident -= set(tags)
 
-    def resume_memory(self) -> None:
-        """Allocate (uninitialised) weight storage again; the next weight sync fills it."""
-        for name, param in self._params.items():
-            holder = _storage_holder(param)
-            if holder.numel() == 0 and self._shapes[name].numel():
-                holder.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """``weights``: allocate (uninitialised) weight storage again, the next weight sync
+        fills it; ``kv_cache``: allow :meth:`generate` again."""
+        tags = memory_tags(tags)
+        if "weights" in tags:
+            for name, param in self._params.items():
+                holder = _storage_holder(param)
+                if holder.numel() == 0 and self._shapes[name].numel():
+                    holder.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+        self.resident |= set(tags)
 
     def resident_bytes(self) -> int:
         """Bytes of weight storage this rank holds now."""
@@ -126,6 +135,10 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.resident != set(MEMORY_TAGS):
+            raise RuntimeError(f"hf engine: generate() needs weights and kv_cache resumed; "
+                               f"{sorted(set(MEMORY_TAGS) - self.resident)} released (call "
+                               "resume_memory first)")
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         out: list[Generation] = []
         torch.manual_seed(params.seed)  # one seed per call: resumed runs sample the same tokens
