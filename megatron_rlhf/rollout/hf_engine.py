@@ -29,7 +29,7 @@ class HFGenerator:
 
     def __init__(self, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
                  device: str = "cpu", max_batch: int = 256, slot=None,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, adopt_storage: bool = True):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
@@ -38,6 +38,7 @@ class HFGenerator:
         if slot is not None and slot.tp > 1:
             self.model = _tensor_parallel(self.model, slot, expert_parallel, device)
         self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
+        self.adopt_storage = adopt_storage
         self._params = dict(self.model.named_parameters())
         self._shapes = {n: _local(p).shape for n, p in self._params.items()}
         state = self.model.state_dict()
@@ -52,7 +53,8 @@ class HFGenerator:
         """Take each tensor's values. A contiguous tensor of the right dtype and device is adopted
         as the parameter's storage instead of copied: the weight sync hands over storage it never
         writes again (fresh gathers, or the trainer's own parameters when no resharding is
-        needed, which the next sync would deliver anyway), so the engine's copy pass is saved."""
+        needed, which the next sync would deliver anyway), so the engine's copy pass is saved;
+        not with ``adopt_storage=False`` (the trainer offloads its parameters after the sync)."""
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._params.get(name)
@@ -68,8 +70,8 @@ class HFGenerator:
                 if param.shape != tensor.shape:
                     raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the "
                                      f"engine expects {tuple(param.shape)}")
-                if (not _is_dtensor(param) and tensor.is_contiguous() and tensor.dtype == param.dtype
-                        and tensor.device == param.device):
+                if (self.adopt_storage and not _is_dtensor(param) and tensor.is_contiguous()
+                        and tensor.dtype == param.dtype and tensor.device == param.device):
                     param.data = tensor.detach()
                 else:
                     _local(param).copy_(_local_shard(param, tensor))
