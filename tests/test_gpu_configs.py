@@ -1,6 +1,6 @@
 """The GPU configs under configs/{ppo,rm,sft}/gpu: each validates as its trainer validates it at
 start-up (without the model files), and `megatron-rlhf plan` of its layout on its own node count
-(trainer and colocated engine together, no offload: our trainers keep their state on the GPU
+(trainer and colocated engine together, no offload: these configs keep the trainers' state on the GPU
 while the engine generates) stays within 90% of an 80 GB GPU.
 
 Each config's header names its model folder (``# model: configs/models/<m>``) and node count

@@ -105,3 +105,31 @@ def test_rollout_correction_on_a_perturbed_engine(engine_and_reference, tiny_mod
     assert 0 < metrics["rollout/is_capped_fraction"] < 1
     assert 0 < metrics["rollout/masked_fraction"] < 1
     assert metrics["rollout/masked_fraction"] == pytest.approx(1 - expected_keep.float().mean().item())
+
+
+def test_memory_tags_follow_sglangs_order(tiny_models, engine_and_reference):
+    """weights back, the sync, kv_cache back, generate: generating with either tag released is
+    an error, and each tag frees and restores only its own memory."""
+    _, reference = engine_and_reference
+    engine = HFGenerator(str(tiny_models["qwen2_policy"]), torch.float32, pad_id=0, eos_id=1)
+    weights = lambda: ((n, p.detach().clone()) for n, p in reference.named_parameters())  # noqa: E731
+    engine.load_weights(weights())
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    expected, full = engine.generate(PROMPTS, params), engine.resident_bytes()
+    engine.release_memory()
+    assert engine.resident_bytes() == 0
+    with pytest.raises(RuntimeError, match="weights and kv_cache resumed"):
+        engine.generate(PROMPTS, params)
+    engine.resume_memory(["weights"])
+    assert engine.resident_bytes() == full
+    engine.load_weights(weights())
+    with pytest.raises(RuntimeError, match=r"\['kv_cache'\] released"):
+        engine.generate(PROMPTS, params)
+    engine.resume_memory(["kv_cache"])
+    assert engine.generate(PROMPTS, params) == expected
+    engine.release_memory(["kv_cache"])
+    assert engine.resident_bytes() == full  # the weights stay
+    with pytest.raises(RuntimeError, match="kv_cache"):
+        engine.generate(PROMPTS, params)
+    with pytest.raises(ValueError, match="cuda_graph"):
+        engine.release_memory(["cuda_graph"])

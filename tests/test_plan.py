@@ -1,6 +1,6 @@
 """``megatron-rlhf plan`` on the full-size config.json fixtures: DeepSeek-V3 refused on 8 GPUs
 (its weights alone exceed them), NeMo-RL's and verl's DeepSeek-V3 layouts accepted on their
-published GPU counts (with the offloads those stacks use, refused without), the JSON fields,
+published GPU counts (with the offloads those stacks use, in their configs; refused without), the JSON fields,
 ranking, and one clear line for each kind of bad input."""
 
 import json
@@ -32,15 +32,28 @@ def test_deepseek_v3_on_8_gpus_is_refused_naming_the_weights(capsys):
 
 
 @pytest.mark.parametrize("args", [NEMO_RL, VERL], ids=["nemo-rl-256xh100", "verl-96xh20"])
-def test_published_deepseek_v3_layouts_fit_on_their_gpu_counts(capsys, args):
-    code, out, err = plan(capsys, *args, "--offload-during-rollout", "--check", "--json")
+def test_published_deepseek_v3_layouts_fit_on_their_gpu_counts(capsys, args, tmp_path):
+    """Their configs offload the trainer during rollout (actor.offload), which the planner reads;
+    the same configs without it do not fit, and the flag cannot override a config."""
+    import yaml
+
+    code, out, err = plan(capsys, *args, "--check", "--json")
     assert code == 0, err
     (layout,) = json.loads(out)["layouts"]
     assert layout["fits"] and layout["total_bytes_per_gpu"] < 96 * 2 ** 30
     assert {"weights", "gradients", "optimizer", "activations", "rollout_engine"} <= set(layout["bytes_per_gpu"])
     # The engine's static pool and the trainer's state cannot both stay on the GPU.
+    config = Path(args[args.index("--config") + 1])
+    raw = yaml.safe_load(config.read_text())
+    for key in ("offload", "ref_offload"):
+        raw["actor"].pop(key, None)
+    resident = tmp_path / config.name
+    resident.write_text(yaml.safe_dump(raw))
+    args = [str(resident) if a == str(config) else a for a in args]
     code, _, err = plan(capsys, *args, "--check")
     assert code == 1 and "rollout_engine" in err
+    code, _, err = plan(capsys, *args, "--offload-during-rollout", "--check")
+    assert code == 2 and "set actor.offload.params: true" in err
 
 
 def test_json_lists_ranked_layouts_with_every_field(capsys):

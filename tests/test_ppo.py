@@ -120,21 +120,33 @@ def checkpoint_tensors(step_dir: Path) -> dict:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def test_one_agent_as_a_list_is_the_plain_run(workspace, uninterrupted, tmp_path):
+# Every offload switch: the colocated actor, reference and critic step aside (trainers/offload.py).
+OFFLOAD_ALL = tuple(f"{model}.{part}=true" for model in ("actor.offload", "critic.offload")
+                    for part in ("params", "grads", "optimizer")) + ("actor.ref_offload.params=true",)
+
+
+def test_one_agent_as_a_list_with_offload_is_the_plain_run(workspace, uninterrupted, tmp_path):
     """``agents:`` of one agent with no ``multi_agent.mode`` is the plain run through the same
-    loop: every metrics row with the same names and (timings aside) values, and the same
-    checkpoints, actor and critic, tensor for tensor, bitwise."""
+    loop, and offloading the colocated actor, reference and critic between phases changes
+    nothing either (one run checks both, to spare the suite a run): every metrics row with the
+    same names (``offload/*`` aside) and (timings aside) values, and the same checkpoints,
+    actor and critic, tensor for tensor, bitwise."""
     import torch
 
     reference = uninterrupted[0]
     out = tmp_path / "listed"
     listed = f"agents=[{{name: solo, model_path: {workspace / 'base'}, world_size: 1}}]"
-    code, stdout, stderr = finish(ppo(overrides(workspace, out, *FULL_RUN, listed)))
+    code, stdout, stderr = finish(ppo(overrides(workspace, out, *FULL_RUN, listed, *OFFLOAD_ALL)))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
-    names = [sorted(json.loads(line)) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    updates = [r for r in rows if "actor/pg_loss" in r]
+    assert len(updates) == 6 and all(r["offload/bytes"] > 0 and r["offload/seconds_in"] > 0
+                                     for r in updates)
+    names = [sorted(k for k in row if not k.startswith("offload/")) for row in rows]
     assert names == [sorted(json.loads(line)) for line in
                      (reference / "metrics.jsonl").read_text().splitlines()]
-    assert metrics(out) == metrics(reference)
+    assert [{k: v for k, v in r.items() if not k.startswith("offload/")}
+            for r in metrics(out)] == metrics(reference)
     assert not (out / "agents").exists()
     for role in ("actor", "critic"):
         steps = sorted(p.name for p in (reference / "checkpoints" / role).iterdir())

@@ -147,6 +147,11 @@ def _check_offload(cfg: PPOConfig) -> None:
         raise UserError("config: actor.offload.params frees the trainer's GPUs for a colocated "
                         "engine; with rollout.placement=separate the engines have GPUs of their "
                         "own (offload grads/optimizer only, or place the engines colocated)")
+    trained = (cfg.actor.offload, cfg.critic.offload)
+    if cfg.trainer.async_save and any(o.params or o.optimizer for o in trained):
+        raise UserError("config: trainer.async_save with actor.offload / critic.offload params or "
+                        "optimizer is not supported: the background writer may still read tensors "
+                        "the offload frees after the save returns (use a synchronous save)")
 
 
 def _check_actor_passes(cfg: PPOConfig) -> None:

@@ -26,10 +26,12 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--global-batch", type=int, default=256, help="rows per optimizer step")
     plan.add_argument("--recompute", choices=("none", "selective", "full"), default="selective")
     plan.add_argument("--optimizer-offload", action="store_true",
-                      help="megatron-core's optimizer CPU offload (not yet a trainer option here)")
+                      help="megatron-core's optimizer CPU offload (the optimizer step on the "
+                           "host; not a trainer option here: it needs CUDA parameters)")
     plan.add_argument("--offload-during-rollout", action="store_true",
-                      help="trainer state in host memory while the engine runs, as verl and "
-                           "NeMo-RL do (megatron-rlhf's trainers do not do this yet)")
+                      help="trainer state in host memory while the engine runs (a ppo config's "
+                           "actor.offload.params, which --config reads; this flag plans it "
+                           "without a config)")
     plan.add_argument("--kernels", choices=("te", "local"), default="te",
                       help="te: Transformer Engine + flash attention (GPU); local: megatron's "
                            "local spec (CPU)")
@@ -73,6 +75,7 @@ def _from_config(path: str, args):
                   critic=uses_critic(c),
                   reference=bool(c.algorithm.use_kl_in_reward or a.use_kl_loss),
                   reward_model=bool(c.reward.model_path),
+                  offload_during_rollout=a.offload.params,
                   rollout=Rollout(r.backend, r.tp, r.gpu_memory_utilization,
                                   max(rows * r.tp // args.gpus, 1),
                                   c.data.max_prompt_length + c.data.max_response_length,
@@ -143,6 +146,11 @@ def run_plan(args) -> int:
         layout, run = _from_config(args.config, args)
         from dataclasses import replace
 
+        if run.job == "ppo":  # the config says whether the trainer steps aside
+            if args.offload_during_rollout and not run.offload_during_rollout:
+                raise UserError(f"plan: --offload-during-rollout, but {args.config} does not "
+                                "offload during rollout: set actor.offload.params: true there")
+            extra["offload_during_rollout"] = run.offload_during_rollout
         run = replace(run, **extra)
         layout = layout.resolve(args.gpus, arch.shape)
         if run.global_batch % (layout.dp * run.micro_batch):

@@ -13,6 +13,20 @@ from typing import Iterable, Protocol
 import torch
 
 
+MEMORY_TAGS = ("weights", "kv_cache")
+"""What an engine frees and re-allocates separately (SGLang's ``release_memory_occupation`` tags)."""
+
+
+def memory_tags(tags: list[str] | None) -> tuple[str, ...]:
+    """``tags`` checked (None: every tag), in :data:`MEMORY_TAGS` order."""
+    if tags is None:
+        return MEMORY_TAGS
+    unknown = set(tags) - set(MEMORY_TAGS)
+    if unknown:
+        raise ValueError(f"engine memory tags {sorted(unknown)}: none of {MEMORY_TAGS}")
+    return tuple(t for t in MEMORY_TAGS if t in tags)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int
@@ -65,8 +79,10 @@ class Generator(Protocol):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy full (unsharded) HF-named tensors into the engine; called bucket by bucket."""
 
-    def release_memory(self) -> None:
-        """Free weights and caches; ``resume_memory`` + a full weight sync bring them back."""
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """Free what ``tags`` name (:data:`MEMORY_TAGS`; None: all); ``resume_memory`` + a full
+        weight sync bring the weights back."""
 
-    def resume_memory(self) -> None:
-        ...
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what ``tags`` name (None: all). SGLang's order in a colocated step:
+        ``weights``, the weight sync, the trainer steps aside, ``kv_cache``, generation."""

@@ -41,10 +41,11 @@ def engine_dtype(name: str, trainer: torch.dtype) -> torch.dtype:
 
 
 def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
-                   groups: ParallelGroups | None = None):
+                   groups: ParallelGroups | None = None, adopt_storage: bool = True):
     """This rank's part of a generator engine (weights arrive with the first weight sync); its
     ``slot`` says which engine and whether this rank reports the engine's samples. ``dtype`` is
-    the trainer's; ``cfg.dtype`` may set another for the engine."""
+    the trainer's; ``cfg.dtype`` may set another for the engine. ``adopt_storage=False``: the
+    hf engine copies what the sync hands it (the trainer's parameters are offloaded after)."""
     slot = place_engines(cfg.tp)
     dtype = engine_dtype(cfg.dtype, dtype)
     if cfg.backend == "hf":
@@ -52,7 +53,7 @@ def make_generator(cfg: RolloutConfig, hf_dir: str, dtype: torch.dtype, pad_id: 
 
         device = "cpu" if platform_is_cpu() else f"cuda:{torch.cuda.current_device()}"
         engine = HFGenerator(hf_dir, dtype, pad_id, eos_id, device=device, slot=slot,
-                             expert_parallel=cfg.ep > 1)
+                             expert_parallel=cfg.ep > 1, adopt_storage=adopt_storage)
     elif cfg.backend == "sglang":
         from megatron_rlhf.rollout.sglang_engine import SGLangGenerator
 

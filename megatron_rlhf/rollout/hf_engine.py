@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 
 from megatron_rlhf.distributed.platform import bridge_suspended
-from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.rollout.base import MEMORY_TAGS, Generation, SamplingParams, memory_tags
 
 
 # A checkpoint's per-expert weight (transformers 5 saves experts one by one, fuses them in memory).
@@ -29,7 +29,7 @@ class HFGenerator:
 
     def __init__(self, hf_dir: str, dtype: torch.dtype, pad_id: int, eos_id: int,
                  device: str = "cpu", max_batch: int = 256, slot=None,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, adopt_storage: bool = True):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
@@ -38,6 +38,7 @@ class HFGenerator:
         if slot is not None and slot.tp > 1:
             self.model = _tensor_parallel(self.model, slot, expert_parallel, device)
         self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
+        self.adopt_storage = adopt_storage
         self._params = dict(self.model.named_parameters())
         self._shapes = {n: _local(p).shape for n, p in self._params.items()}
         state = self.model.state_dict()
@@ -46,12 +47,14 @@ class HFGenerator:
         self._tied = {n for n in state if n not in self._params and n not in self._buffers}
         # Sharded fused expert tensors being assembled from per-expert ones: name -> (full, seen)
         self._assembling: dict[str, list] = {}
+        self.resident = set(MEMORY_TAGS)  # what release_memory / resume_memory last left
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take each tensor's values. A contiguous tensor of the right dtype and device is adopted
         as the parameter's storage instead of copied: the weight sync hands over storage it never
         writes again (fresh gathers, or the trainer's own parameters when no resharding is
-        needed, which the next sync would deliver anyway), so the engine's copy pass is saved."""
+        needed, which the next sync would deliver anyway), so the engine's copy pass is saved;
+        not with ``adopt_storage=False`` (the trainer offloads its parameters after the sync)."""
         with torch.no_grad():
             for name, tensor in named_tensors:
                 param = self._params.get(name)
@@ -67,8 +70,8 @@ class HFGenerator:
                 if param.shape != tensor.shape:
                     raise ValueError(f"weight sync: {name} has shape {tuple(tensor.shape)}, the "
                                      f"engine expects {tuple(param.shape)}")
-                if (not _is_dtensor(param) and tensor.is_contiguous() and tensor.dtype == param.dtype
-                        and tensor.device == param.device):
+                if (self.adopt_storage and not _is_dtensor(param) and tensor.is_contiguous()
+                        and tensor.dtype == param.dtype and tensor.device == param.device):
                     param.data = tensor.detach()
                 else:
                     _local(param).copy_(_local_shard(param, tensor))
@@ -107,18 +110,26 @@ class HFGenerator:
                 del self._assembling[fused_name]
         return True
 
-    def release_memory(self) -> None:
-        """Drop the weight storage (this rank's shard of each DTensor in an engine of several ranks)."""
-        for param in self._params.values():
-            _storage_holder(param).data = torch.empty(0, dtype=param.dtype, device=param.device)
-        self._released = True
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """``weights``: drop the weight storage (this rank's shard of each DTensor in an engine
+        of several ranks). ``kv_cache``: transformers allocates it per :meth:`generate` call and
+        frees it after, so this tag is a state that :meth:`generate` checks."""
+        tags = memory_tags(tags)
+        if "weights" in tags:
+            for param in self._params.values():
+                _storage_holder(param).data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self.resident -= set(tags)
 
-    def resume_memory(self) -> None:
-        """Allocate (uninitialised) weight storage again; the next weight sync fills it."""
-        for name, param in self._params.items():
-            holder = _storage_holder(param)
-            if holder.numel() == 0 and self._shapes[name].numel():
-                holder.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """``weights``: allocate (uninitialised) weight storage again, the next weight sync
+        fills it; ``kv_cache``: allow :meth:`generate` again."""
+        tags = memory_tags(tags)
+        if "weights" in tags:
+            for name, param in self._params.items():
+                holder = _storage_holder(param)
+                if holder.numel() == 0 and self._shapes[name].numel():
+                    holder.data = torch.empty(self._shapes[name], dtype=param.dtype, device=param.device)
+        self.resident |= set(tags)
 
     def resident_bytes(self) -> int:
         """Bytes of weight storage this rank holds now."""
@@ -126,6 +137,10 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.resident != set(MEMORY_TAGS):
+            raise RuntimeError(f"hf engine: generate() needs weights and kv_cache resumed; "
+                               f"{sorted(set(MEMORY_TAGS) - self.resident)} released (call "
+                               "resume_memory first)")
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]
         out: list[Generation] = []
         torch.manual_seed(params.seed)  # one seed per call: resumed runs sample the same tokens

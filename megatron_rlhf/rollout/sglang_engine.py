@@ -10,7 +10,9 @@ Weights: every worker rank on the engine's GPUs holds each bucket's full HF tens
 GPU after the resharding sync; it hands SGLang's TP rank on that GPU a CUDA-IPC handle to them
 (``MultiprocessingSerializer``), the engine's first rank gathers one handle per TP rank, in SGLang's
 TP-rank order, and submits them as one ``update_weights_from_tensor``: no tensor crosses GPUs.
-``release_memory_occupation`` frees the KV cache and weights while the trainer runs. Engine
+``release_memory_occupation(tags=...)`` frees the KV cache and weights while the trainer runs,
+``resume_memory_occupation(tags=...)`` brings them back tag by tag (``weights`` before the
+weight sync, ``kv_cache`` after the trainer has offloaded its state). Engine
 arguments and per-sample sampling parameters come from :mod:`megatron_rlhf.config.sglang`.
 Not runnable on CPU: SGLang needs CUDA.
 """
@@ -26,13 +28,14 @@ import torch.distributed as dist
 from megatron_rlhf.config.ppo_schema import RolloutConfig
 from megatron_rlhf.config.sglang import engine_args, sampling_args
 from megatron_rlhf.distributed.engine_placement import EngineSlot, engine_groups, engine_addresses
-from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.rollout.base import Generation, SamplingParams, memory_tags
 
 
 class SGLangGenerator:
     def __init__(self, hf_dir: str, cfg: RolloutConfig, dtype: torch.dtype, eos_id: int,
                  slot: EngineSlot):
-        self.cfg, self.slot, self.engine, self._released, self.eos_ids = cfg, slot, None, False, {eos_id}
+        self.cfg, self.slot, self.engine, self.eos_ids = cfg, slot, None, {eos_id}
+        self.released: set[str] = set()  # tags SGLang holds released
         self.is_head = dist.get_rank() == slot.head
         # Collective: every rank makes every engine's group (none for one-GPU engines).
         self.group = engine_groups(slot) if slot.tp > 1 else None
@@ -65,18 +68,25 @@ class SGLangGenerator:
         if self.group is not None:  # the tensors behind the handles outlive every TP rank's read
             dist.barrier(group=self.group)
 
-    def release_memory(self) -> None:
-        if self.is_head and not self._released:
-            self.engine.release_memory_occupation()
-            self._released = True
+    def release_memory(self, tags: list[str] | None = None) -> None:
+        """SGLang's ``release_memory_occupation`` of the ``tags`` (None: weights and KV cache)
+        not released yet; always by name, so tags of SGLang's we do not resume stay put."""
+        todo = [t for t in memory_tags(tags) if t not in self.released]
+        if self.is_head and todo:
+            self.engine.release_memory_occupation(tags=todo)
+        self.released.update(todo)
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: list[str] | None = None) -> None:
         # SGLang fails to resume what it never released (the first sync after start-up).
-        if self.is_head and self._released:
-            self.engine.resume_memory_occupation()
-            self._released = False
+        todo = [t for t in memory_tags(tags) if t in self.released]
+        if self.is_head and todo:
+            self.engine.resume_memory_occupation(tags=todo)
+        self.released.difference_update(todo)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        if self.released:
+            raise RuntimeError(f"sglang engine: generate() with {sorted(self.released)} released "
+                               "(call resume_memory first)")
         if not self.is_head or not prompts:  # SGLang rejects an empty batch
             return []
         rows = [i for i in range(len(prompts)) for _ in range(params.n)]

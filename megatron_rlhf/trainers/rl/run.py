@@ -23,6 +23,7 @@ from megatron_rlhf.trainers.lifecycle import MetricsFile, mark_finished
 from megatron_rlhf.trainers.rl.agent import rollback_target, summarize_rollout
 from megatron_rlhf.trainers.rl.ahead import dump_rollouts
 from megatron_rlhf.trainers.rl.experience import check_experience, compute_advantages
+from megatron_rlhf.trainers.rl.residency import offloads, reduce_stats
 from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
@@ -113,6 +114,8 @@ class RLRun:
             digests = [r.pop("population/table_sha256") for r in ranks if "population/table_sha256" in r]
             trained |= ranks[0]
         metrics |= trained | episode.metrics | summarize_rollout(episode.gens, episode.scored, batch, adv)
+        if offloads(agent.cfg):  # the moves since the last report, the busiest rank's
+            metrics |= reduce_stats([r for g in agent.groups() for r in g.call(PPOWorker.offload_stats)])
         agent.update_spans = {step: (started, time.time())}  # what generation ahead overlapped
         if agent.cfg.trainer.rollout_data_dir:
             folder = agent.out / agent.cfg.trainer.rollout_data_dir

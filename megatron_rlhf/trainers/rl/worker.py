@@ -11,6 +11,8 @@ stage) return it, tagged with their DP rank, for the driver to stitch back toget
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from megatron_rlhf.algorithms.ppo import aggregate_denominator
@@ -35,7 +37,10 @@ from megatron_rlhf.models.hf_config import padded_vocab_size
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
 from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
                                           set_lr_scale, train_step, training_dtype)
+from megatron_rlhf.trainers.offload import PARTS
 from megatron_rlhf.trainers.rl.experience import Experience
+from megatron_rlhf.trainers.rl.routing import own_routing, pass_mode, routing_replay
+from megatron_rlhf.trainers.rl.residency import Residency
 from megatron_rlhf.models.output_head import output_head
 from megatron_rlhf.trainers.rl.losses import (actor_loss, critic_loss, grid_logprobs,
                                               loss_positions_logprobs)
@@ -145,6 +150,7 @@ class PPOWorker:
             self._build_actor(total_updates["actor"])
         if "critic" in roles:
             self._build_critic(total_updates["critic"])
+        self.residency = Residency.of_worker(self, config)  # what each phase brings back
 
     # ----------------------------------------------------------------------------- set-up
     def _build_actor(self, total_updates: int) -> None:
@@ -153,10 +159,6 @@ class PPOWorker:
         from megatron_rlhf.data.chat import pad_id
         from megatron_rlhf.rollout.engines import make_generator
         from megatron_rlhf.rollout.weight_sync import WeightSync
-
-        from dataclasses import replace
-
-        from megatron_rlhf.trainers.rl.routing import routing_replay
 
         cfg = self.config
         # Routers get megatron's RouterReplay: recorded every step (moe/routing_agreement),
@@ -186,7 +188,8 @@ class PPOWorker:
         self.generator, self.bridge = None, None  # a separate rollout group: a bridge to it
         if cfg.rollout.placement == "colocated":
             self.generator = make_generator(cfg.rollout, str(self.hf_dir), self.dtype,
-                                            self.pad_id, self.tokenizer.eos_token_id, self.groups)
+                                            self.pad_id, self.tokenizer.eos_token_id, self.groups,
+                                            adopt_storage=not cfg.actor.offload.params)
         self.sync = WeightSync(self.actor.module, self.arch, self.groups, self.padded,
                                int(cfg.rollout.bucket_size_mb * 2 ** 20))
         self._released = True  # the engine holds random weights until the first sync
@@ -222,11 +225,14 @@ class PPOWorker:
     # ----------------------------------------------------------------------------- rollout
     def generate(self, prompts: list[list[int]], params, release: bool = False) -> tuple | None:
         """This rank's engine's share of ``prompts``; ``release`` frees the engine's memory
-        afterwards (what :meth:`release_rollout` does, without a second call)."""
+        afterwards (what :meth:`release_rollout` does, without a second call). SGLang's order:
+        ``weights`` back, the sync, the trainer's state out (every phase ends so), ``kv_cache``
+        back, generate."""
         from megatron_rlhf.rollout.engines import engine_share
 
         if self._released:  # memory given back since the last sync: reload the current weights
             self.sync_weights()
+        self.generator.resume_memory(["kv_cache"])
         result = engine_share(self.generator, prompts, params)
         if release:
             self.release_rollout()
@@ -235,11 +241,17 @@ class PPOWorker:
     def sync_weights(self) -> dict:
         """Every bucket into this rank's engine, or over the bridge to a separate rollout group."""
         if self.bridge is not None:
-            return {"buckets": float(self.bridge.send(self.sync.iter_buckets())),
-                    "bytes": float(self.sync.total_bytes)}
-        self.generator.resume_memory()
+            with self.residency.phase(actor=("params",)):
+                return {"buckets": float(self.bridge.send(self.sync.iter_buckets())),
+                        "bytes": float(self.sync.total_bytes)}
+        self.generator.resume_memory(["weights"])  # the KV cache waits for the trainer to step aside
         self._released = False
-        return self.sync.sync(self.generator.load_weights)
+        with self.residency.phase(actor=("params",)):
+            return self.sync.sync(self.generator.load_weights)
+
+    def offload_stats(self) -> dict[str, float]:
+        """This rank's ``offload/*`` moves since the last call ({} with every switch off)."""
+        return self.residency.take_stats()
 
     def release_rollout(self) -> None:
         if self.generator is not None:
@@ -288,8 +300,6 @@ class PPOWorker:
                  replay=None, which: str = "old") -> torch.Tensor | None:
         """``head``'s results ``[n_mine, ...]``; with a MoE ``replay`` driver, replaying and
         recording as ``which`` pass does (the routers' own choices land in ``self.own_routing``)."""
-        from megatron_rlhf.trainers.rl.routing import own_routing, pass_mode
-
         mine = self._mine(batch)
         micro, order = self._micro(batch, mine)
         if replay is not None:
@@ -327,8 +337,9 @@ class PPOWorker:
             return self._forward(model, batch, score, hidden_states=True, replay=replay, which=which)
 
         self.own_routing = None
-        old = log_probs(self.actor.module, self.replay, "old") if old else None
-        ref = log_probs(self.ref, self.ref_replay, "ref") if ref else None
+        with self.residency.phase(actor=("params",) if old else (), ref=("params",) if ref else ()):
+            old = log_probs(self.actor.module, self.replay, "old") if old else None
+            ref = log_probs(self.ref, self.ref_replay, "ref") if ref else None
         return self._output((old, ref, self.own_routing))
 
     def _output_head(self, model):
@@ -342,21 +353,19 @@ class PPOWorker:
     def compute_values(self, batch: Experience) -> tuple | None:
         """Critic values ``[n_mine, T]`` and reward-model scores ``[n_mine]`` (or None)."""
         values = scores = None
-        if self.critic is not None:
-            values = self._forward(self.critic.module, batch,
-                                   lambda out, b: to_grid(out[..., 0].float(), b) * grid_tensor(b, "loss_mask"))
-        if self.rm is not None:
-            scores = self._forward(self.rm, batch,
-                                   lambda out, b: last_token_rewards(to_grid(out, b),
-                                                                     grid_tensor(b, "lengths")[:, 0]))
+        with self.residency.phase(critic=("params",), rm=("params",)):
+            if self.critic is not None:
+                values = self._forward(self.critic.module, batch, lambda out, b: to_grid(
+                    out[..., 0].float(), b) * grid_tensor(b, "loss_mask"))
+            if self.rm is not None:
+                scores = self._forward(self.rm, batch, lambda out, b: last_token_rewards(
+                    to_grid(out, b), grid_tensor(b, "lengths")[:, 0]))
         return self._output((values, scores))
 
     # ----------------------------------------------------------------------------- updates
     def _update(self, trainable, batch: dict, epochs: int, step: int, loss, keys, denominator,
                 hidden_states: bool = False, replay=None):
         """``epochs`` passes of mini-batch optimizer steps over the whole batch."""
-        from megatron_rlhf.trainers.rl.routing import pass_mode
-
         cfg, g = self.config, self.groups
         count = batch["input_ids"].shape[0]
         plan = batch_plan(min(cfg.actor.ppo_mini_batch_size, count),
@@ -399,9 +408,10 @@ class PPOWorker:
                                          groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
                                          temperature=scoring_temperature(self.config.rollout.temperature),
                                          horizon=self.horizon, head=head)
-        sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
-                            lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
-                            hidden_states=bool(cfg.logprob_chunk_tokens), replay=self.replay)
+        with self.residency.phase(actor=PARTS):
+            sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
+                                lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
+                                hidden_states=bool(cfg.logprob_chunk_tokens), replay=self.replay)
         out = _average(sums, "actor")
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
@@ -415,9 +425,10 @@ class PPOWorker:
         import hashlib
 
         h = hashlib.sha256()
-        for name, param in self.actor.module.named_parameters():
-            h.update(name.encode())
-            h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
+        with self.residency.phase(actor=("params",)):
+            for name, param in self.actor.module.named_parameters():
+                h.update(name.encode())
+                h.update(param.detach().float().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def update_critic(self, batch: Experience, step: int) -> dict:
@@ -425,8 +436,9 @@ class PPOWorker:
         epochs = critic_epochs(cfg)
         loss = lambda out, b: critic_loss(out, b, cliprange_value=cfg.critic.cliprange_value,  # noqa: E731
                                           agg_mode=cfg.actor.loss_agg_mode, horizon=self.horizon)
-        sums = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
-                            lambda b, rows: self._denominator(b, rows, cfg.actor.loss_agg_mode))
+        with self.residency.phase(critic=PARTS):
+            sums = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
+                                lambda b, rows: self._denominator(b, rows, cfg.actor.loss_agg_mode))
         return _average(sums, "critic")
 
     @property
@@ -487,10 +499,11 @@ class PPOWorker:
         when asynchronous); the driver prunes once every group has committed. Returns the
         seconds the save kept this rank from training."""
         seconds = 0.0
-        for role in self._trained():
-            writer = self._writer(role, root)
-            writer.save(step, state)
-            seconds += writer.seconds
+        with self.residency.phase(actor=PARTS, critic=PARTS):
+            for role in self._trained():
+                writer = self._writer(role, root)
+                writer.save(step, state)
+                seconds += writer.seconds
         return seconds
 
     def finalize_saves(self, blocking: bool = False) -> list[tuple[str, int]]:
@@ -510,8 +523,9 @@ class PPOWorker:
 
         self.finalize_saves(blocking=True)  # a save in flight lands before anything is loaded
         name = f"step_{step:08d}"
-        for role in self._trained():
-            load_train_checkpoint(Path(root) / role / name, getattr(self, role))
+        with self.residency.phase(actor=PARTS, critic=PARTS):
+            for role in self._trained():
+                load_train_checkpoint(Path(root) / role / name, getattr(self, role))
         self.set_lr_scale(lr_scale)
 
 
