@@ -23,8 +23,10 @@ generate, release both.
 Metrics (:func:`reduce_stats`, per step: everything moved since the previous step's report,
 i.e. from the previous weight sync to this step's updates): ``offload/seconds_out`` and
 ``offload/seconds_in`` (time spent copying out and back), ``offload/bytes`` (bytes copied
-out); each the largest over the ranks, the busiest GPU's figure, as the planner's memory is
-per GPU. None of them without an offload switch on.
+out), ``offload/resident_bytes_generating`` (device bytes of the configured state still held
+when the engine starts generating: 0 when the trainer has stepped aside); each the largest
+over the ranks, the busiest GPU's figure, as the planner's memory is per GPU. None of them
+without an offload switch on.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from contextlib import contextmanager
 from megatron_rlhf.config.ppo_schema import OffloadConfig, PPOConfig
 from megatron_rlhf.trainers.offload import Moved, Offloader
 
-KEYS = ("offload/seconds_out", "offload/seconds_in", "offload/bytes")
+KEYS = ("offload/seconds_out", "offload/seconds_in", "offload/bytes", "offload/resident_bytes_generating")
 
 
 def offload_settings(cfg: PPOConfig) -> dict[str, OffloadConfig]:
@@ -54,6 +56,7 @@ class Residency:
     def __init__(self, models: dict[str, tuple[Offloader, OffloadConfig]]):
         self.models = models
         self.out, self.back = Moved(), Moved()
+        self.generating = 0  # the largest resident_configured() seen at a generation's start
 
     @classmethod
     def of_worker(cls, worker, cfg: PPOConfig) -> "Residency":
@@ -84,12 +87,21 @@ class Residency:
             self.out += offloader.offload(params=settings.params, grads=settings.grads,
                                           optimizer=settings.optimizer)
 
+    def resident_configured(self) -> int:
+        """Device bytes still held of the state the settings send out (0 once settled)."""
+        return sum(offloader.resident_bytes(part) for offloader, settings in self.models.values()
+                   for part in ("params", "grads", "optimizer") if getattr(settings, part))
+
+    def generation_starts(self) -> None:
+        self.generating = max(self.generating, self.resident_configured())
+
     def take_stats(self) -> dict[str, float]:
         """This rank's moves since the last call (and start counting again); {} without offload."""
         if not self.models:
             return {}
-        stats = dict(zip(KEYS, (self.out.seconds, self.back.seconds, float(self.out.bytes))))
-        self.out, self.back = Moved(), Moved()
+        stats = dict(zip(KEYS, (self.out.seconds, self.back.seconds, float(self.out.bytes),
+                                float(self.generating))))
+        self.out, self.back, self.generating = Moved(), Moved(), 0
         return stats
 
 

@@ -233,6 +233,7 @@ class PPOWorker:
         if self._released:  # memory given back since the last sync: reload the current weights
             self.sync_weights()
         self.generator.resume_memory(["kv_cache"])
+        self.residency.generation_starts()  # offload/resident_bytes_generating: 0 expected
         result = engine_share(self.generator, prompts, params)
         if release:
             self.release_rollout()
