@@ -33,6 +33,14 @@ def test_gpu_check_runs_every_section_at_its_tiny_size(tmp_path):
     assert abs(train["mfu_vs_989"] - expected) <= 1e-9 * expected
     planned = result["train"]["planned_gib"]  # the planner's terms of the same step
     assert planned["weights"] > 0 and planned["logits"] > 0 and planned["total"] > planned["weights"]
+    # Each offload switch frees exactly what it holds (storages on CPU), what the planner
+    # counts for that state (bf16 weights, fp32 gradients, fp32 main weights + Adam moments).
+    offload = result["offload"]
+    for name, term in (("params", "weights"), ("grads", "gradients"), ("optimizer", "optimizer")):
+        assert offload[name]["freed_gib"] == offload[name]["resident_gib"] > 0
+        assert abs(offload[name]["freed_gib"] / offload[name]["planned_gib"] - 1) < 0.02, name
+    whole = offload["params+grads+optimizer"]
+    assert whole["freed_gib"] == sum(offload[p]["freed_gib"] for p in ("params", "grads", "optimizer"))
     assert sorted(result["rollout"]) == ["hf_bf16", "hf_fp32"]  # no SGLang on CPU
     for dtype, bar in (("fp32", 1e-5), ("bf16", 0.05)):
         rollout = result["rollout"][f"hf_{dtype}"]

@@ -190,6 +190,37 @@ def check_train(hf_dir: Path, device: str, seq: int, micro: int, micro_batches: 
     return stats, trainable, groups, arch, padded
 
 
+def check_offload(trainable, device: str, planned_gib: dict, rounds: int = 3) -> dict:
+    """Each offload switch alone on the trained bf16 model: the device bytes it frees (CUDA's
+    allocator on a GPU, the storages' own sizes on CPU), the seconds out and back (median of
+    ``rounds``), against the planner's term for the same state; then all three at once."""
+    from megatron_rlhf.trainers.offload import Offloader
+
+    offloader = Offloader.of(trainable)
+    terms = {"params": "weights", "grads": "gradients", "optimizer": "optimizer"}
+    out = {}
+    for parts in (("params",), ("grads",), ("optimizer",), ("params", "grads", "optimizer")):
+        switch = dict.fromkeys(parts, True)
+        held = sum(offloader.resident_bytes(p) for p in parts)
+        outs, backs, freed = [], [], []
+        for _ in range(rounds):
+            before = torch.cuda.memory_allocated() if device == "cuda" else held
+            moved = offloader.offload(**switch)
+            after = torch.cuda.memory_allocated() if device == "cuda" else \
+                sum(offloader.resident_bytes(p) for p in parts)
+            freed.append(before - after)
+            outs.append(moved.seconds)
+            backs.append(offloader.reload(**switch).seconds)
+        name = "+".join(parts)
+        out[name] = {"resident_gib": held / 2 ** 30, "freed_gib": min(freed) / 2 ** 30,
+                     "seconds_out": sorted(outs)[rounds // 2], "seconds_in": sorted(backs)[rounds // 2],
+                     "planned_gib": sum(planned_gib.get(terms[p], 0.0) for p in parts)}
+        print(f"[gpu_check] offload {name}: frees {out[name]['freed_gib']:.3f} GiB "
+              f"(planned {out[name]['planned_gib']:.3f}), out {out[name]['seconds_out']:.3f} s, "
+              f"back {out[name]['seconds_in']:.3f} s", flush=True)
+    return out
+
+
 def planned_bytes(arch, seq: int, micro: int, micro_batches: int) -> dict:
     """The planner's per-GPU bytes of this step: one rank, bf16, no recompute, Adam without the
     distributed optimizer (what ``make_trainable`` builds by default)."""
@@ -369,6 +400,7 @@ def main() -> int:
     trained = guarded(results, "train", check_train, hf_dir, device, args.seq, args.micro,
                       args.micro_batches, args.steps, data)
     if trained is not None:
+        guarded(results, "offload", check_offload, trained[1], device, trained[0]["planned_gib"])
         guarded(results, "rollout", check_rollout, hf_dir, device, *trained[1:], prompts,
                 args.new_tokens, probe)
     tmp.cleanup()

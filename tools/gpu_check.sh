@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for a lent GPU machine (one call, a few minutes on one H200, no network, no Ray):
-# tools/gpu_check.py on a 0.5B-class model (configs/models/qwen2.5-0.5b) and an 8B-class one
+# tools/gpu_check.py (import parity, bf16 training step and MFU, each offload switch: bytes freed
+# and seconds against the planner, the hf engine fed by the sync) on a 0.5B-class model (configs/models/qwen2.5-0.5b) and an 8B-class one
 # (configs/models/qwen3-8b cut to 8 layers so that its training state fits one GPU), one process
 # each (nccl world of 1). Results (JSON, full logs) go to $OUT. Without a GPU it says so and
 # exits 0.
