@@ -129,8 +129,19 @@ def wait_for(path: Path, pattern: str, job: str, env: dict, timeout: float = 420
                          + (path.read_text()[-3000:] if path.is_file() else "(no file)"))
 
 
-def namespace_processes() -> dict[str, list[str]]:
-    """Command lines of every process inside the two nodes, slurmd aside."""
+def namespace_processes(grace_s: float = 60.0) -> dict[str, list[str]]:
+    """Command lines of every process inside the two nodes, slurmd aside, once none is left or
+    after ``grace_s``: a Ray worker whose raylet was killed exits on its own, but not in the
+    same instant the job ends (seen once: a RankActor on the killed node, at the first look)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = _namespace_processes()
+        if not any(found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
+def _namespace_processes() -> dict[str, list[str]]:
     found = {}
     for ns in ("mrl-n1", "mrl-n2"):
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
