@@ -10,7 +10,6 @@ Usage: torchrun --nproc-per-node 2 tests/dist_offload.py DENSE_HF MOE_HF OUT.jso
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.models.forward import token_cross_entropy  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
 from megatron_rlhf.trainers.offload import PARTS, Offloader  # noqa: E402
-from tests.dist_parity import layout_groups  # noqa: E402
+from tests.dist_parity import layout_groups, write_results_and_leave  # noqa: E402
 
 STEPS = 3
 ALL = dict.fromkeys(PARTS, True)
@@ -119,10 +118,7 @@ def main() -> None:
     results = {}
     for case, (model, layout, dist_opt, dtype) in CASES.items():
         results[case] = compare(dense if model == "dense" else moe, layout, dist_opt, dtype)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_leave(out, results)
 
 
 if __name__ == "__main__":

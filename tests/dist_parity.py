@@ -60,6 +60,15 @@ def release_groups() -> None:
         dist.destroy_process_group(group)
 
 
+def write_results_and_leave(out: Path, results: dict) -> None:
+    """Rank 0 writes a scenario's ``results`` to ``out`` (what tests/torchrun.py reads); then
+    every rank leaves the world together."""
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def layout_groups(layout: tuple, shape, release: bool = True):
     """The groups of ``layout`` (``ParallelLayout``'s positional fields), the previous ones freed
     unless ``release`` is False (a DTensor engine's mesh over the same ranks, made after a

@@ -17,7 +17,6 @@ Usage: torchrun --nproc-per-node 2 tests/dist_routing.py FAMILIES_ROOT OUT.json
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -27,15 +26,14 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist_parity import from_hf, max_over_world  # noqa: E402
+from dist_parity import from_hf, max_over_world, write_results_and_leave  # noqa: E402
 
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.models.routing_replay import routing_agreement  # noqa: E402
 from megatron_rlhf.rollout.base import SamplingParams  # noqa: E402
 from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
-from megatron_rlhf.trainers.rl.agent import engine_logprobs  # noqa: E402
-from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
+from megatron_rlhf.trainers.rl.experience import build_batch, engine_logprobs  # noqa: E402
 from megatron_rlhf.trainers.rl.routing import own_routing, routing_replay  # noqa: E402
 from megatron_rlhf.trainers.rl.worker import micro_batches  # noqa: E402
 
@@ -86,7 +84,7 @@ def as_grid(replay, groups, micro, rows, width, recorded):
     saved = replay.recorded
     replay.recorded = [recorded.get(slot, []) for slot in range(len(replay.routers))]
     try:
-        return own_routing(replay, groups, micro, rows, rows, width)
+        return own_routing(replay, groups, micro, width)
     finally:
         replay.recorded = saved
 
@@ -102,7 +100,7 @@ def scored_pass(model, groups, arch, replay, micro, rows, width, replay_on: bool
     try:
         outs = pipeline_forward(model, groups, micro, lambda out, b: grid_logprobs(
             out, b, arch.vocab_size, groups) * grid_tensor(b, "loss_mask"), replay=replay)
-        own = own_routing(replay, groups, micro, rows, rows, width)
+        own = own_routing(replay, groups, micro, width)
     finally:
         replay.stop()  # the recorded shapes stay until the next start
         used.remove()
@@ -195,10 +193,7 @@ def main() -> None:
     for name in MODELS:
         for label in LAYOUTS:
             scenario(root / name, label, results)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_leave(out, results)
 
 
 if __name__ == "__main__":

@@ -140,8 +140,9 @@ def test_one_agent_as_a_list_with_offload_is_the_plain_run(workspace, uninterrup
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     updates = [r for r in rows if "actor/pg_loss" in r]
-    assert len(updates) == 6 and all(r["offload/bytes"] > 0 and r["offload/seconds_in"] > 0
-                                     for r in updates)
+    # Bytes moved every step; the seconds are logged (their size is the benchmark's business).
+    assert len(updates) == 6 and all(r["offload/bytes"] > 0 and {"offload/seconds_out",
+                                     "offload/seconds_in"} <= set(r) for r in updates)
     # Measured from the storages when each generation started: the trainer had stepped aside.
     assert all(r["offload/resident_bytes_generating"] == 0 for r in updates)
     names = [sorted(k for k in row if not k.startswith("offload/")) for row in rows]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -142,21 +141,14 @@ def test_hf_engine_records_what_a_full_forward_routes(family_models, name):
         assert torch.equal(gen.routing.sort(-1).values, expected.sort(-1).values)
 
 
-def _agent(mode: str, moe: bool, offline=()):
-    lines = []
-    cfg = SimpleNamespace(actor=SimpleNamespace(router_replay=mode, model_path="/models/x"))
-    return SimpleNamespace(cfg=cfg, policy_is_moe=moe, offline=list(offline), log=lines.append), lines
-
-
 def test_replay_of_a_dense_policy_is_refused_and_offline_samples_are_said_once():
-    from megatron_rlhf.trainers.rl.agent import PPORun
+    from megatron_rlhf.trainers.rl.routing import check_routing_replay
 
-    agent, _ = _agent("R3", moe=False)
+    lines = []
     with pytest.raises(UserError, match="router_replay=R3.*dense"):
-        PPORun.check_routing_replay(agent)
-    agent, lines = _agent("R3", moe=True, offline=[object()])
-    PPORun.check_routing_replay(agent)
+        check_routing_replay("R3", "/models/x", False, False, lines.append)
+    check_routing_replay("R3", "/models/x", True, True, lines.append)
     assert len(lines) == 1 and "offline" in lines[0]
-    agent, lines = _agent("none", moe=False)
-    PPORun.check_routing_replay(agent)
-    assert not lines
+    check_routing_replay("none", "/models/x", False, True, lines.append)
+    check_routing_replay("R2", "/models/x", True, True, lines.append)  # R2 records offline rows too
+    assert len(lines) == 1

@@ -117,9 +117,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     if samples % a.ppo_mini_batch_size:
         raise UserError(f"config: a step's {samples} samples (data.train_batch_size x rollout.n) "
                         f"are not divisible by actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
-    for name in ("save_every_steps", "eval_every_steps", "max_steps"):
-        if getattr(t, name) < 0:
-            raise UserError(f"config: trainer.{name}={getattr(t, name)} must be >= 0 (0: off)")
+    _check_trainer_steps(cfg)
     if cfg.critic.ppo_epochs is not None:
         check_positive("critic.ppo_epochs", cfg.critic.ppo_epochs)
     if alg.kl_ctrl.type == "adaptive":
@@ -127,6 +125,15 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
         check_positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
     check_sglang_settings(r)
     _check_rollout_layout(cfg)
+    return cfg
+
+
+def _check_trainer_steps(cfg: PPOConfig) -> None:
+    """Step counts, the critic's warm-up and the rollback guard's factors."""
+    t, alg = cfg.trainer, cfg.algorithm
+    for name in ("save_every_steps", "eval_every_steps", "max_steps"):
+        if getattr(t, name) < 0:
+            raise UserError(f"config: trainer.{name}={getattr(t, name)} must be >= 0 (0: off)")
     if t.critic_warmup < 0 or (t.critic_warmup and not estimator(alg.adv_estimator).needs_critic):
         raise UserError(f"config: trainer.critic_warmup={t.critic_warmup} must be >= 0, and is for "
                         f"a critic (algorithm.adv_estimator=gae, not {alg.adv_estimator})")
@@ -134,7 +141,6 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     if rb.kl_threshold < 0 or not 0 < rb.lr_factor <= 1 or rb.kl_coef_factor < 1 or rb.max_rollbacks < 0:
         raise UserError("config: trainer.rollback needs kl_threshold >= 0, 0 < lr_factor <= 1, "
                         f"kl_coef_factor >= 1, max_rollbacks >= 0 (got {rb})")
-    return cfg
 
 
 def _check_offload(cfg: PPOConfig) -> None:

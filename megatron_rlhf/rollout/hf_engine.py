@@ -8,6 +8,7 @@ backend behind the same protocol.
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from typing import Iterable
 
 import torch
@@ -215,11 +216,14 @@ class _RoutedExperts:
             self.steps[index].append(ids.detach().to("cpu", torch.int16).view(self.rows, -1, ids.shape[-1]))
         return record
 
+    @cached_property
+    def stacked(self) -> torch.Tensor:
+        """``[rows, positions, layers, K]`` once generation is over."""
+        return torch.stack([torch.cat(steps, dim=1) for steps in self.steps], dim=2)
+
     def row(self, row: int, start: int, end: int) -> torch.Tensor:
         """Positions ``start:end`` of ``row``: ``[end - start, layers, K]``."""
-        if not hasattr(self, "_all"):
-            self._all = torch.stack([torch.cat(steps, dim=1) for steps in self.steps], dim=2)
-        return self._all[row, start:end].clone()
+        return self.stacked[row, start:end].clone()
 
 
 class _ChosenLogprobs:

@@ -37,9 +37,10 @@ from megatron_rlhf.orchestration.worker_group import stitch
 from megatron_rlhf.rollout.engines import stitched
 from megatron_rlhf.trainers.rl.ahead import GenerationAhead
 from megatron_rlhf.trainers.loop import epoch_order
-from megatron_rlhf.trainers.rl.experience import Experience, build_batch, sample_kl, token_kl
+from megatron_rlhf.trainers.rl.experience import (Experience, build_batch, engine_logprobs,
+                                                   sample_kl, token_kl)
 from megatron_rlhf.trainers.rl.routing import recorded_routing
-from megatron_rlhf.trainers.rl.worker import PPOWorker
+from megatron_rlhf.trainers.rl.worker import PPOWorker, policy_is_moe
 
 
 class Timer(dict):
@@ -64,17 +65,6 @@ def cat_rows(parts: list) -> torch.Tensor | None:
     than ranks) or when nobody computed this output."""
     present = [p for p in parts if p is not None]
     return torch.cat(present) if present else None
-
-
-def engine_logprobs(gens: list[Generation], loss_mask: torch.Tensor) -> torch.Tensor:
-    """The engine's log-probs of the sampled tokens on the batch's grid ``[N, T]`` (each
-    response from its first loss position; 0 elsewhere)."""
-    engine = torch.zeros(loss_mask.shape, dtype=torch.float32)
-    for row, gen in enumerate(gens):
-        if gen.tokens:  # an empty response has no position
-            start = int(loss_mask[row].nonzero()[0])
-            engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
-    return engine
 
 
 @dataclass
@@ -235,28 +225,7 @@ class PPORun(GenerationAhead):
                               top_k=0 if validation else r.top_k, n=1 if validation else r.n,
                               stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step,
                               logprobs=not validation and reads_engine_logprobs(self.cfg),
-                              routed_experts=not validation and self.policy_is_moe)
-
-    @cached_property
-    def policy_is_moe(self) -> bool:
-        """A mixture-of-experts policy: its engines record their routing (R3 replays it, and
-        ``moe/routing_agreement`` measures it every step)."""
-        from megatron_rlhf.trainers.rl.worker import policy_files
-
-        return bool(self.cfg.actor.model_path) and policy_files(self.cfg.actor.model_path)[0].moe is not None
-
-    def check_routing_replay(self) -> None:
-        """``actor.router_replay`` refused for a dense policy; said once when some samples will
-        carry no engine routing (offline data: their routers choose for themselves)."""
-        mode = self.cfg.actor.router_replay
-        if mode == "none":
-            return
-        if not self.policy_is_moe:
-            raise UserError(f"actor.router_replay={mode} replays mixture-of-experts routing; "
-                            f"{self.cfg.actor.model_path} is a dense model (set it to none)")
-        if mode == "R3" and self.offline:
-            self.log("actor.router_replay=R3: data.offline_files' samples have no engine routing "
-                     "to replay; the trainer's routers choose their experts themselves")
+                              routed_experts=not validation and policy_is_moe(self.cfg.actor.model_path))
 
     def generate(self, prompts: list[Prompt], params: SamplingParams, turns: int = 1) -> list[Generation]:
         """``params.n`` samples per prompt; with ``turns > 1`` multi-turn ones (see

@@ -95,6 +95,17 @@ def build_batch(prompts: list[tuple[int, ...]], generations: list[Generation], p
     return batch
 
 
+def engine_logprobs(gens: list[Generation], loss_mask: torch.Tensor) -> torch.Tensor:
+    """The engine's log-probs of the sampled tokens on the batch's grid ``[N, T]`` (each
+    response from its first loss position; 0 elsewhere)."""
+    engine = torch.zeros(loss_mask.shape, dtype=torch.float32)
+    for row, gen in enumerate(gens):
+        if gen.tokens:  # an empty response has no position
+            start = int(loss_mask[row].nonzero()[0])
+            engine[row, start:start + len(gen.tokens)] = torch.tensor(gen.logprobs)
+    return engine
+
+
 def compute_advantages(batch: Experience, scores: torch.Tensor, cfg: AlgorithmConfig, kl_coef: float,
                        turns: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Rewards, advantages and returns ``[N, T]`` from sequence ``scores [N]`` and the batch's

@@ -17,6 +17,8 @@ from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainers.rl.placement import setup, shutdown
 from megatron_rlhf.trainers.rl.agent import Timer, close_step
+from megatron_rlhf.trainers.rl.routing import check_routing_replay
+from megatron_rlhf.trainers.rl.worker import policy_is_moe
 from megatron_rlhf.trainers.rl.ahead import busy_fractions
 from megatron_rlhf.trainers.rl.run import RLRun, finish
 
@@ -79,7 +81,9 @@ def start(run: RLRun) -> None:
         for agent in run.agents.values():
             agent.sync_weights(run.step)
     for agent in run.agents.values():
-        agent.check_routing_replay()
+        path = agent.cfg.actor.model_path
+        check_routing_replay(agent.cfg.actor.router_replay, path, policy_is_moe(path),
+                             bool(agent.offline), agent.log)
         agent.prepare_offline()  # behaviour log-probs the offline files lack (the starting policy's)
     run.logger = MetricsLogger(str(out), t.logger, run.total_steps, True, start_step=run.step,
                                kept=kept)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rlhf.data.packing import to_grid
+from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.routing_replay import RoutingReplay, routing_agreement
 
 
@@ -36,10 +37,9 @@ def pass_mode(mode: str, batch: dict, which: str) -> tuple[bool, bool]:
     return has and mode == "R3", has or mode == "R2"
 
 
-def own_routing(replay: RoutingReplay, groups, micro: list[dict], order: list[int],
-                mine: list[int], width: int) -> torch.Tensor:
-    """What the routers chose themselves in the pass just run, ``[n_mine, width, L, K]`` in
-    ``mine``'s row order (micro-batches hold the rows in ``order``). Collective over TP and PP."""
+def own_routing(replay: RoutingReplay, groups, micro: list[dict], width: int) -> torch.Tensor:
+    """What the routers chose themselves in the pass just run, ``[rows, width, L, K]``, the
+    micro-batches' rows in turn. Collective over TP and PP."""
     per_micro = replay.recorded_micro_batches(groups.tp, groups.pp)
     if not per_micro:
         return torch.empty(0, width, replay.num_layers, replay.topk, dtype=torch.int16)
@@ -47,11 +47,7 @@ def own_routing(replay: RoutingReplay, groups, micro: list[dict], order: list[in
     for full, batch in zip(per_micro, micro):
         grid = to_grid(full, batch)  # [rows, t, L, K] on the micro-batch's sample grid
         parts.append(torch.nn.functional.pad(grid, (0, 0, 0, 0, 0, width - grid.shape[1]), value=-1))
-    result = torch.cat(parts).to(torch.int16)
-    position = {row: index for index, row in enumerate(mine)}
-    unsorted = torch.empty_like(result)
-    unsorted[torch.tensor([position[row] for row in order])] = result
-    return unsorted
+    return torch.cat(parts).to(torch.int16)
 
 
 def recorded_routing(batch: dict, own: torch.Tensor | None, mode: str) -> dict[str, float]:
@@ -65,3 +61,16 @@ def recorded_routing(batch: dict, own: torch.Tensor | None, mode: str) -> dict[s
     if mode == "R2":
         batch["routing"] = own
     return metrics
+
+
+def check_routing_replay(mode: str, model_path: str, moe: bool, offline: bool, log) -> None:
+    """``actor.router_replay`` refused for a dense policy; said once (``log``) when some samples
+    will carry no engine routing (``offline`` data: their routers choose for themselves)."""
+    if mode == "none":
+        return
+    if not moe:
+        raise UserError(f"actor.router_replay={mode} replays mixture-of-experts routing; "
+                        f"{model_path} is a dense model (set it to none)")
+    if mode == "R3" and offline:
+        log("actor.router_replay=R3: data.offline_files' samples have no engine routing "
+            "to replay; the trainer's routers choose their experts themselves")

@@ -12,6 +12,7 @@ stage) return it, tagged with their DP rank, for the driver to stitch back toget
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 import torch
 
@@ -69,6 +70,13 @@ def policy_files(path: str):
     return read_hf_arch(path), Path(path)
 
 
+@lru_cache(maxsize=None)
+def policy_is_moe(path: str) -> bool:
+    """A mixture-of-experts policy: its engines record their routing (R3 replays it, and
+    ``moe/routing_agreement`` measures it every step)."""
+    return bool(path) and policy_files(path)[0].moe is not None
+
+
 class _SendOnly:
     """A trainer rank other than the bridge's sender: it runs the sync's gathers, sends nothing."""
 
@@ -110,6 +118,15 @@ def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = 
         # A multi-turn sample may outgrow one prompt + one response: it then gets a row alone.
         out.append(pack_token_grid(micro, max(pack_capacity, length)) if pack_capacity else micro)
     return out
+
+
+def in_row_order(result: torch.Tensor, mine: list[int], order: list[int]) -> torch.Tensor:
+    """``result``'s rows (``order``: the rows the micro-batches held, in turn) put back in
+    ``mine``'s order."""
+    position = {row: index for index, row in enumerate(mine)}
+    unsorted = torch.empty_like(result)
+    unsorted[torch.tensor([position[row] for row in order])] = result
+    return unsorted
 
 
 def token_groups(lengths: torch.Tensor, rows: list[int], budget: int) -> list[list[int]]:
@@ -308,8 +325,8 @@ class PPOWorker:
         try:
             outputs = pipeline_forward(model, self.groups, micro, head, hidden_states, replay)
             if replay is not None and replay.recording:
-                self.own_routing = own_routing(replay, self.groups, micro, order, mine,
-                                               batch["input_ids"].shape[1])
+                self.own_routing = in_row_order(own_routing(
+                    replay, self.groups, micro, batch["input_ids"].shape[1]), mine, order)
         finally:
             if replay is not None:
                 replay.stop()
@@ -318,10 +335,7 @@ class PPOWorker:
         width = batch["input_ids"].shape[1]
         result = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1])) if o.dim() == 2 else o
                             for o in outputs])
-        position = {row: index for index, row in enumerate(mine)}
-        unsorted = torch.empty_like(result)
-        unsorted[torch.tensor([position[row] for row in order])] = result
-        return unsorted
+        return in_row_order(result, mine, order)
 
     def compute_log_probs(self, batch: Experience, old: bool = True, ref: bool = True) -> tuple | None:
         """Old (actor) and reference log-probs of the target tokens, ``[n_mine, T]`` each (None
