@@ -137,14 +137,29 @@ def plot(curves: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def exact_accuracy(root: Path) -> tuple[float, float]:
+    """Held-out accuracy (checker score exactly 1) of the SFT policy and the PPO policy, from the
+    A/B test's greedy replies to every held-out question. (``val/oracle_acc`` is the mean checker
+    score, which gives a near miss partial credit.)"""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(root / "ab_test" / "pairs.parquet")
+    rows = table.num_rows
+    return tuple(sum(score == 1.0 for score in table.column(f"score_{side}").to_pylist()) / rows
+                 for side in ("b", "a"))
+
+
 def summarize(root: Path) -> dict:
     curves = read_curves(root / "ppo" / "metrics.jsonl")
-    acc, kl = curves["val/oracle_acc"], curves.get("actor/kl", [(0, float("nan"))])
+    score, kl = curves["val/oracle_acc"], curves.get("actor/kl", [(0, float("nan"))])
+    before, after = exact_accuracy(root)
     rm_val = json.loads((root / "rm" / "final_metrics.json").read_text())
     ab = json.loads((root / "ab_test" / "summary.json").read_text())
-    return {"task": TASK, "task_config": TASK_CONFIG, "accuracy_before": acc[0][1],
-            "accuracy_after": acc[-1][1], "gain_points": round(100 * (acc[-1][1] - acc[0][1]), 2),
-            "ppo_steps": acc[-1][0], "rm_pairwise_accuracy_heldout": rm_val.get("val/accuracy"),
+    return {"task": TASK, "task_config": TASK_CONFIG, "num_heldout": ab["num_prompts"],
+            "accuracy_before": before, "accuracy_after": after,
+            "gain_points": round(100 * (after - before), 2),
+            "checker_score_before": score[0][1], "checker_score_after": score[-1][1],
+            "ppo_steps": score[-1][0], "rm_pairwise_accuracy_heldout": rm_val.get("val/accuracy"),
             "kl_per_token_end": kl[-1][1],
             "ab_test": {key: ab[key] for key in ("win_rate", "win", "tie", "loss", "num_prompts",
                                                  "samples_per_prompt", "judge", "level")},
@@ -169,9 +184,12 @@ def run_smollm2_demo(out_dir: str, seed: int = 0, quick: bool = False) -> int:
 
 
 def report(summary: dict) -> None:
-    print(f"\n[demo] {summary['num_val'] if 'num_val' in summary else 'held-out'} questions, greedy")
-    print(f"  accuracy before PPO (SFT) {summary['accuracy_before']:.3f}, after {summary['accuracy_after']:.3f} "
-          f"(step {summary['ppo_steps']}): {summary['gain_points']:+.1f} points")
+    print(f"\n[demo] {summary['num_heldout']} held-out questions (never trained on), greedy")
+    print(f"  {'policy':<20} {'accuracy':>9} {'mean checker score':>19}")
+    print(f"  {'SFT (PPO step 0)':<20} {summary['accuracy_before']:>9.3f} {summary['checker_score_before']:>19.3f}")
+    label = f"PPO (step {summary['ppo_steps']})"
+    print(f"  {label:<20} {summary['accuracy_after']:>9.3f} {summary['checker_score_after']:>19.3f}")
+    print(f"  change: {summary['gain_points']:+.1f} points of accuracy")
     print(f"  reward model pairwise accuracy (held-out pairs) {summary['rm_pairwise_accuracy_heldout']}; "
           f"KL per token at the end {summary['kl_per_token_end']:.4f}")
     ab, rate = summary["ab_test"], summary["ab_test"]["win_rate"]
