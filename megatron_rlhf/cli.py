@@ -310,6 +310,8 @@ def run(args) -> int:
             from megatron_rlhf.demo_smollm2 import run_smollm2_demo
 
             return run_smollm2_demo(args.out_dir, args.seed, args.quick)
+        if args.quick:
+            raise UserError("demo --quick is for --model smollm2 (the tiny demo has one size)")
         from megatron_rlhf.demo import run_demo
 
         return run_demo(args.out_dir, args.seed)
