@@ -38,9 +38,9 @@ SYSTEM_PROMPT = "direct"  # reasoning_gym.utils.SYSTEM_PROMPTS: answer in <answe
 SIZES = {
     # Sized to finish in well under an hour on 2 shared cores (docs/smollm2.md has the times).
     False: {"train": 1000, "val": 200, "sft_steps": 24, "rm_steps": 10, "ppo_steps": 16,
-            "batch": 16, "eval_every": 8},
+            "batch": 16, "eval_every": 8, "save_every": 2},
     True: {"train": 24, "val": 8, "sft_steps": 2, "rm_steps": 2, "ppo_steps": 2,
-           "batch": 4, "eval_every": 2},
+           "batch": 4, "eval_every": 2, "save_every": 1},
 }
 AB_MAX_NEW_TOKENS = 16
 
@@ -85,7 +85,7 @@ def ppo_stage(root: Path, seed: int, size: dict) -> float:
         f"critic.model_path={rm}", f"reward.model_path={rm}",
         f"data.train_files=[{data / 'prompts_train.parquet'}]", f"data.val_files=[{data / 'prompts_val.parquet'}]",
         f"trainer.output_dir={root / 'ppo'}", f"trainer.max_steps={size['ppo_steps']}",
-        f"trainer.eval_every_steps={size['eval_every']}", f"trainer.save_every_steps={size['eval_every']}",
+        f"trainer.eval_every_steps={size['eval_every']}", f"trainer.save_every_steps={size['save_every']}",
         f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={batch}",
         f"actor.ppo_micro_batch_size_per_rank={batch}", "trainer.logger=console",
         f"trainer.seed={1 + seed}", f"rollout.seed={seed}"])
