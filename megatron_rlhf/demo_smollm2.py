@@ -101,7 +101,7 @@ def ab_stage(root: Path, seed: int) -> float:
         "--seed", str(seed), "--out", str(root / "ab_test")])
 
 
-CURVES = {"val/oracle_acc": "held-out accuracy (greedy, checker)",
+CURVES = {"val/oracle_acc": "held-out mean checker score (greedy)",
           "reward/score_mean": "training score (checker + 0.25 x RM)",
           "actor/kl": "KL(actor || SFT) per token", "response/length_mean": "response length (tokens)"}
 
