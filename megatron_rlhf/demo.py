@@ -130,7 +130,7 @@ def sft_and_rm(root: Path, seed: int) -> dict[str, float]:
         "train-rm", "--config", str(CONFIGS / "rm" / "tiny_cpu.yaml"), f"model.path={root / 'sft_hf'}",
         f"data.train_files=[{data / 'prefs_train.parquet'}]", f"data.val_files=[{data / 'prefs_val.parquet'}]",
         f"trainer.output_dir={root / 'rm'}", "trainer.total_epochs=14", "optim.lr=3e-4", "optim.min_lr=3e-5",
-        "trainer.logger=console", f"trainer.seed={1 + seed}"])
+        f"trainer.seed={1 + seed}"])  # the config's TensorBoard logger: runs/demo/rm/tensorboard
     return seconds
 
 

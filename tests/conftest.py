@@ -30,8 +30,8 @@ def family_models(tmp_path_factory):
 # the two single-test acceptance runs, 11 minutes together, ended the run on one worker while
 # the other idled), so the longest go first and the short ones fill in around them
 # (docs/testing.md has the times).
-LONGEST_FIRST = ("test_rm_accuracy.py", "test_demo.py", "test_slurm_two_nodes.py", "test_ppo.py",
-                 "test_interrupted_runs.py", "test_multi_agent.py", "test_moe_training.py",
+LONGEST_FIRST = ("test_demo.py", "test_slurm_two_nodes.py", "test_ppo.py",
+                 "test_demo_smollm2.py", "test_interrupted_runs.py", "test_multi_agent.py", "test_moe_training.py",
                  "test_train_rm.py", "test_sft.py")
 
 

@@ -25,7 +25,11 @@ def test_demo_runs_end_to_end(tmp_path):
     print(json.dumps(summary, indent=2))
     assert "held-out questions (never trained on)" in proc.stdout
     assert (out / "ppo_curves.png").stat().st_size > 10_000
-    assert summary["rm_val_accuracy"] > 0.9
+    # The reward-model stage is `train-rm --config configs/rm/tiny_cpu.yaml` (from the SFT policy,
+    # 14 epochs, lr 3e-4: megatron_rlhf/demo.py). Its held-out pairwise accuracy over the 6-seed
+    # spread (docs/benchmarks.md): worst 0.945, best 1.000; the bar sits below the worst.
+    assert summary["rm_val_accuracy"] >= 0.93
+    _reward_model_logged(out / "rm", (out / "logs" / "reward-model.log").read_text())
     # PPO lifts held-out accuracy by at least 20 points over its SFT start. Set from the spread,
     # not one run: benchmarks/demo_spread.py over 6 seeds (and OMP 1/2 threads for three of
     # them, which gave the same runs): the worst gained +26.5 points, the median +32.5
@@ -56,3 +60,16 @@ def test_demo_never_deletes_foreign_folders(tmp_path, capsys):
     assert main(["demo", "--out-dir", str(tmp_path)]) == 2
     assert "was not made by the demo" in capsys.readouterr().err
     assert (tmp_path / "precious.txt").read_text() == "keep"
+
+
+def _reward_model_logged(run, log: str) -> None:
+    """train-rm's scalars land in TensorBoard and its progress line shows a rate and an ETA."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/accuracy", "val/accuracy", "val/margin_mean",
+            "val/chosen_reward_mean", "val/rejected_reward_std", "train/lr",
+            "throughput/pairs_per_s", "throughput/tokens_per_s"} <= tags, tags
+    assert "pairs/s" in log and "ETA" in log

