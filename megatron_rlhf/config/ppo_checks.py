@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_rlhf.agent_tools.spec import check_tool_settings
 from megatron_rlhf.algorithms.estimators import ESTIMATORS, estimator
 from megatron_rlhf.algorithms.policy_losses import POLICY_LOSSES
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
@@ -102,6 +103,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     check_stop_settings(t)
     _check_recipes(cfg)
     _check_reward(cfg)
+    check_tool_settings(r)  # names, functions, schemas, formats of rollout.tools
     if alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
         raise UserError(f"config: algorithm.adv_estimator={alg.adv_estimator} compares samples of "
                         f"one prompt; set rollout.n >= 2 (got {r.n})")
