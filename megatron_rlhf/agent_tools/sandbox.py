@@ -153,7 +153,7 @@ def _bwrap_argv(bwrap: str, python: str, code_dir: str | None, limits: SandboxLi
     argv += ["--unshare-all", "--die-with-parent", "--new-session", "--chdir", "/tmp", "--clearenv"]
     for name, value in INSIDE_ENV.items():
         argv += ["--setenv", name, value]
-    return argv + ["--", python, "-I"]
+    return argv + ["--", python, "-I", "-u"]  # unbuffered: prints and tracebacks in order
 
 
 # Runs first inside the sandbox: limits (hard = soft, which an unprivileged process cannot
@@ -191,7 +191,7 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
         with tempfile.TemporaryDirectory(prefix="mrlhf-tool-work-") as work:
             if os.geteuid() == 0:
                 os.chown(work, NOBODY, NOBODY)
-            argv = [where.python, "-I", "-c", _launcher(limits, f"{host_dir}/main.py")]
+            argv = [where.python, "-I", "-u", "-c", _launcher(limits, f"{host_dir}/main.py")]
             return _run(argv, limits, cwd=work, env=dict(INSIDE_ENV, HOME=work), via_bwrap=False)
 
 
