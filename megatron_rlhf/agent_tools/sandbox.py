@@ -37,8 +37,7 @@ from pathlib import Path
 from megatron_rlhf.errors import UserError
 
 NOBODY = 65534
-INSIDE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
-              "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+INSIDE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # -I ignores PYTHON*
 
 
 @dataclass(frozen=True)
