@@ -334,3 +334,22 @@ def test_bad_tool_settings_and_files_are_named(tmp_path):
     tools = check_tool_settings(rollout(tools=[{"name": "python"}], tools_file=str(path)))
     assert [t.name for t in tools] == ["python", "calculator"]
     assert tools[0].parameters["required"] == ["code"]  # a built-in brings its own schema
+
+
+def test_a_ppo_config_carries_tools_through_the_typed_tree(tmp_path):
+    from megatron_rlhf.agent_tools.spec import check_tool_settings
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+
+    path = tmp_path / "ppo.yaml"
+    path.write_text("rollout:\n  tool_call_format: hermes\n  tools:\n    - name: python\n"
+                    "      timeout_s: 3\n    - name: square\n      fn: 'tests.tool_fns:square'\n"
+                    f"      parameters: {json.dumps(ARGS)}\n")
+    cfg = validate_ppo_config(load_config(PPOConfig, str(path), [
+        f"actor.model_path={tmp_path}", f"data.train_files=[{tmp_path / 'p.parquet'}]",
+        "reward.fn=addition"]))
+    tools = check_tool_settings(cfg.rollout)
+    assert [(t.name, t.fn, t.timeout_s) for t in tools] == [("python", "python", 3.0),
+                                                            ("square", "tests.tool_fns:square", 10.0)]
+    assert tools[1].parameters == ARGS and type(tools[1].parameters) is dict  # plain, picklable

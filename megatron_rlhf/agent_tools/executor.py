@@ -113,15 +113,12 @@ class ToolSession:
         """At most the tool's ``max_response_tokens`` tokens of the policy's tokenizer (without
         one, ``BYTES_PER_TOKEN`` characters a token)."""
         budget = self.tools[result.name].max_response_tokens if result.name in self.tools else 256
-        if self.tokenizer is None:
-            if len(result.text) <= budget * BYTES_PER_TOKEN:
-                return result
-            text = result.text[: budget * BYTES_PER_TOKEN]
-        else:
-            ids = self.tokenizer(result.text, add_special_tokens=False)["input_ids"]
-            if len(ids) <= budget:
-                return result
-            text = self.tokenizer.decode(ids[:budget])
+        text = result.text[: budget * BYTES_PER_TOKEN]  # never tokenise megabytes a function returned
+        if self.tokenizer is not None:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            text = self.tokenizer.decode(ids[:budget]) if len(ids) > budget else text
+        if text == result.text:
+            return result
         return ToolResult(result.name, text, result.error, result.timeout, truncated=True)
 
     def close(self) -> None:
