@@ -1,0 +1,127 @@
+"""Multi-turn tool rollouts (issue 37), token in and token out: the loop of
+megatron_rlhf/rollout/tool_turns.py with a scripted policy (exact control of its calls) on a
+Qwen-style tiny tokenizer and SmolLM2's real one, with the real `hf` engine on a tiny model built
+to call a tool, the experience and every estimator over such trajectories, the start-up checks,
+and one short PPO run with tools."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlhf.agent_tools.executor import ToolResult, ToolSession
+from megatron_rlhf.agent_tools.render import append_ids
+from megatron_rlhf.agent_tools.spec import load_tools, tool_schemas
+from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.rollout.tool_turns import ToolEnv, run_tool_turns
+from tests.test_agent_tools import qwen_like, smollm2_tokenizer  # noqa: F401  (fixtures)
+from tests.tool_fns import ARGS
+
+TOOLS = load_tools([{"name": "calculator"},
+                    {"name": "square", "fn": "tests.tool_fns:square", "description": "x squared",
+                     "parameters": ARGS}])
+CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+SQUARES = ('<tool_call>{"name": "square", "arguments": {"x": 3}}</tool_call>'
+           '<tool_call>{"name": "square", "arguments": {"x": "three"}}</tool_call>')
+# What the scripted policy says, per prompt, turn after turn.
+SCRIPTS = [["Let me compute. " + CALC, "The answer is 42."],
+           [CALC, CALC, CALC, CALC],  # calls until the turn limit
+           [SQUARES, "It is 9."]]
+LOGPROB = -0.25  # every policy token's log-prob, so the environment's 0.0 stand out
+
+
+class ScriptedPolicy:
+    """``generate`` for :func:`run_tool_turns`: each context's next turn from :data:`SCRIPTS`
+    (found by its prompt; ``n`` = 1), with the end-of-turn token; records what it was given."""
+
+    def __init__(self, tokenizer, prompts: list[list[int]]):
+        self.tokenizer, self.prompts, self.contexts = tokenizer, prompts, []
+        self.turns = [0] * len(prompts)
+
+    def __call__(self, contexts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        self.contexts.append(contexts)
+        eot = self.tokenizer.eos_token_id
+        out = []
+        for index, context in enumerate(contexts):
+            prompt = next(i for i, p in enumerate(self.prompts) if context[:len(p)] == p)
+            turn, self.turns[prompt] = self.turns[prompt], self.turns[prompt] + 1
+            ids = self.tokenizer(SCRIPTS[prompt][turn], add_special_tokens=False)["input_ids"] + [eot]
+            cut = ids[:params.max_tokens]
+            out.append(Generation(index, cut, [LOGPROB] * len(cut), len(cut) == len(ids)))
+        return out
+
+
+def _prompts(tokenizer, schemas):
+    messages = [[{"role": "user", "content": f"Question {i}: what is 6 times 7?"}] for i in range(3)]
+    ids = [tokenizer(tokenizer.apply_chat_template(m, tools=schemas, tokenize=False,
+                                                   add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"] for m in messages]
+    return messages, ids
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("which", ["qwen_like", "smollm2"])
+def test_trajectories_are_the_policys_tokens_plus_the_rendered_tool_tokens(which, request):
+    tok = (request.getfixturevalue("qwen_like")[0] if which == "qwen_like"
+           else request.getfixturevalue("smollm2_tokenizer"))
+    schemas = tool_schemas(TOOLS)
+    messages, prompts = _prompts(tok, schemas)
+    policy = ScriptedPolicy(tok, prompts)
+    with ToolSession(TOOLS, tok, workers=2) as session:
+        env = ToolEnv(session, TOOLS, "hermes", tok, max_turns=3, check=True)
+        gens, metrics = run_tool_turns(policy, prompts, SamplingParams(max_tokens=400), env,
+                                       rows=[{}] * 3, messages=messages)
+    eot = [tok.eos_token_id]
+    calc = append_ids(tok, [ToolResult("calculator", "42")], schemas)
+    squares = append_ids(tok, [ToolResult("square", "9"), ToolResult(
+        "square", "Error: invalid arguments for square: x: 'three' is not of type 'integer'",
+        error=True)], schemas)
+    expected = [  # (token segments, is it the policy's)
+        [(_ids(tok, SCRIPTS[0][0]) + eot, 1), (calc, 0), (_ids(tok, SCRIPTS[0][1]) + eot, 1)],
+        [(_ids(tok, CALC) + eot, 1), (calc, 0), (_ids(tok, CALC) + eot, 1), (calc, 0),
+         (_ids(tok, CALC) + eot, 1)],
+        [(_ids(tok, SQUARES) + eot, 1), (squares, 0), (_ids(tok, SCRIPTS[2][1]) + eot, 1)]]
+    for gen, segments in zip(gens, expected):
+        assert gen.tokens == [i for ids, _ in segments for i in ids]
+        assert gen.mask == [m for ids, m in segments for _ in ids]
+        assert gen.logprobs == [LOGPROB if m else 0.0 for ids, m in segments for _ in ids]
+        assert gen.finished and len(gen.turn_ends) == sum(m for _, m in segments)
+    # The policy continued from exactly its own ids plus the appended ones, never re-tokenised.
+    assert policy.contexts[1][0] == prompts[0] + gens[0].tokens[:len(gens[0].tokens)
+                                                                 - len(_ids(tok, SCRIPTS[0][1])) - 1]
+    assert [len(c) for c in policy.contexts] == [3, 3, 1]  # the third round: prompt 1 alone
+    assert metrics["tools/template_mismatch"] == 0.0
+    assert metrics["tools/calls"] == 5.0 and metrics["tools/errors"] == 1.0
+    assert metrics["tools/calculator/calls"] == 3.0 and metrics["tools/square/errors"] == 1.0
+    assert metrics["tools/unanswered"] == 1.0  # prompt 1's third call: the turn limit
+    assert metrics["tools/turns_mean"] == 7 / 3 and metrics["tools/calls_per_sample"] == 5 / 3
+
+
+def test_the_response_budget_ends_trajectories_tool_tokens_included(qwen_like):
+    tok = qwen_like[0]
+    schemas = tool_schemas(TOOLS)
+    messages, prompts = _prompts(tok, schemas)
+    first = len(_ids(tok, SCRIPTS[0][0])) + 1
+    calc = append_ids(tok, [ToolResult("calculator", "42")], schemas)
+    with ToolSession(TOOLS, tok, workers=1) as session:
+        env = ToolEnv(session, TOOLS, "hermes", tok, max_turns=4, check=True)
+        # Room for the first turn and the tool tokens but not one more token: the result is
+        # never appended and the trajectory counts as cut.
+        params = SamplingParams(max_tokens=first + len(calc))
+        gens, metrics = run_tool_turns(ScriptedPolicy(tok, prompts[:1]), prompts[:1], params, env,
+                                       messages=messages[:1])
+        assert gens[0].tokens == _ids(tok, SCRIPTS[0][0]) + [tok.eos_token_id]
+        assert not gens[0].finished and metrics["tools/unanswered"] == 1.0
+        # Two tokens more: the next turn is cut at the budget, mid-way.
+        params = SamplingParams(max_tokens=first + len(calc) + 2)
+        gens, metrics = run_tool_turns(ScriptedPolicy(tok, prompts[:1]), prompts[:1], params, env,
+                                       messages=messages[:1])
+    assert len(gens[0].tokens) == params.max_tokens and not gens[0].finished
+    assert gens[0].mask == [1] * first + [0] * len(calc) + [1, 1]
+    assert gens[0].tokens[-2:] == _ids(tok, SCRIPTS[0][1])[:2]
+    assert metrics["tools/template_mismatch"] == 0.0  # a cut last turn is compared up to the cut
