@@ -125,3 +125,114 @@ def test_the_response_budget_ends_trajectories_tool_tokens_included(qwen_like):
     assert gens[0].mask == [1] * first + [0] * len(calc) + [1, 1]
     assert gens[0].tokens[-2:] == _ids(tok, SCRIPTS[0][1])[:2]
     assert metrics["tools/template_mismatch"] == 0.0  # a cut last turn is compared up to the cut
+
+
+# --- the real hf engine on a tiny model that calls a tool -------------------------------------
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory):
+    """Task prompts and a tiny policy that calls the calculator (tests/tiny_models.py), the
+    answer's logit 1 below the call's: greedy always calls, temperature 1 answers about a
+    quarter of the time."""
+    from megatron_rlhf.data.task_files import write_task_files
+    from tests.tiny_models import build_tool_caller
+
+    root = tmp_path_factory.mktemp("tool_caller")
+    write_task_files(str(root / "data"), train=64, val=8, seed=0, high=19)
+    build_tool_caller(root / "base", answer_margin=1.0)
+    return root
+
+
+def _engine_and_env(caller):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rlhf.config.ppo_schema import RolloutConfig, ToolConfig
+    from megatron_rlhf.data.prompts import load_prompts
+    from megatron_rlhf.rollout.hf_engine import HFGenerator
+    from megatron_rlhf.rollout.tool_turns import make_tool_env
+
+    base = str(caller / "base")
+    tok = AutoTokenizer.from_pretrained(base)
+    engine = HFGenerator(base, torch.float32, tok.pad_token_id, tok.eos_token_id)
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(base).state_dict().items())
+    env = make_tool_env(RolloutConfig(tools=[ToolConfig(name="calculator")], max_assistant_turns=3,
+                                      tool_check=True, tool_workers=1), tok)
+    prompts = load_prompts([str(caller / "data" / "prompts_val.parquet")], tok, "prompt",
+                           "ground_truth", 128, "drop", False, tools=env.schemas)[0][:4]
+    return tok, engine, env, prompts
+
+
+def test_the_hf_engine_continues_from_its_own_tokens_and_the_tool_tokens(caller):
+    from tests.tiny_models import TOOL_ANSWER, TOOL_CALL
+
+    tok, engine, env, prompts = _engine_and_env(caller)
+    ids, messages = [list(p.ids) for p in prompts], [list(p.messages) for p in prompts]
+    assert "calculator" in tok.decode(ids[0])  # the schemas reached the prompt
+    call, answer, eot = (tok.convert_tokens_to_ids(TOOL_CALL), tok.convert_tokens_to_ids(TOOL_ANSWER),
+                         tok.eos_token_id)
+    calc = append_ids(tok, [ToolResult("calculator", "42")], env.schemas)
+    try:
+        greedy = SamplingParams(max_tokens=64, temperature=0.0, seed=1)
+        gens, metrics = run_tool_turns(engine.generate, ids, greedy, env, messages=messages)
+        turn = [call, eot]  # greedy calls every turn: the turn limit ends each trajectory
+        assert all(g.tokens == turn + calc + turn + calc + turn and g.finished for g in gens)
+        assert all(g.mask == [1, 1] + [0] * len(calc) + [1, 1] + [0] * len(calc) + [1, 1]
+                   for g in gens)
+        assert metrics["tools/calls"] == 8 and metrics["tools/unanswered"] == 4
+        assert metrics["tools/template_mismatch"] == 0 and metrics["tools/turns_mean"] == 3
+        # Temperature 1, four samples a prompt: some answer at once, some after a call or two.
+        sampled = SamplingParams(max_tokens=64, temperature=1.0, n=4, seed=3)
+        gens, metrics = run_tool_turns(engine.generate, ids, sampled, env, messages=messages)
+        ends = set()
+        for g in gens:
+            k = len(g.turn_ends)
+            policy = [tok for tok, m in zip(g.tokens, g.mask) if m]
+            assert policy == [call, eot] * (k - 1) + [call if k == 3 and policy[-2] == call
+                                                      else answer, eot]
+            assert [t for t, m in zip(g.tokens, g.mask) if not m] == calc * (k - 1)
+            # The engine's log-probs: its own on its tokens (a call or answer: a coin flip of
+            # odds e to 1), 0 on the tool's.
+            assert all(lp == 0.0 for lp, m in zip(g.logprobs, g.mask) if not m)
+            assert all(lp < -0.1 for lp, t in zip(g.logprobs, g.tokens) if t in (call, answer))
+            ends.add((k, policy[-2] == answer))
+        assert {(1, True), (3, False)} <= ends and metrics["tools/template_mismatch"] == 0
+        # A budget two tokens past the first tool answer: the second turn is cut mid-way.
+        gens, _ = run_tool_turns(engine.generate, ids, SamplingParams(max_tokens=3 + len(calc),
+                                 temperature=0.0), env, messages=messages)
+        assert all(g.tokens == [call, eot] + calc + [call] and not g.finished for g in gens)
+    finally:
+        env.close()
+
+
+# --- experience, losses and every estimator over tool trajectories ----------------------------
+
+def _estimators():
+    from megatron_rlhf.algorithms.estimators import ESTIMATORS
+
+    return sorted(ESTIMATORS)
+
+
+@pytest.mark.parametrize("estimator", _estimators())
+def test_advantages_and_rewards_stay_on_the_policys_tokens(estimator):
+    from megatron_rlhf.config.ppo_schema import AlgorithmConfig
+    from megatron_rlhf.trainers.rl.experience import build_batch, compute_advantages, engine_logprobs
+
+    # Two trajectories of one prompt: policy 3 tokens, tool 2, policy 2; and a single turn.
+    gens = [Generation(0, [5, 6, 7, 8, 9, 10, 11], [-1.0] * 3 + [0.0] * 2 + [-1.0] * 2, True,
+                       mask=[1, 1, 1, 0, 0, 1, 1], turn_ends=[2, 6]),
+            Generation(0, [5, 6, 12], [-1.0] * 3, True, mask=[1, 1, 1], turn_ends=[2])]
+    batch = build_batch([(1, 2, 3)], gens, pad_id=0)
+    mask = batch["loss_mask"]
+    assert mask[0].tolist() == [0, 0, 1, 1, 1, 0, 0, 1, 1, 0] and mask[1].sum() == 3
+    batch["values"] = torch.rand(mask.shape)
+    batch["old_logprobs"], batch["ref_logprobs"] = -torch.rand(mask.shape), -torch.rand(mask.shape)
+    out = compute_advantages(batch, torch.tensor([1.0, 0.0]), AlgorithmConfig(adv_estimator=estimator),
+                             kl_coef=0.1)
+    for key in ("advantages", "returns", "kl"):
+        assert (out[key][mask == 0] == 0).all(), key
+    assert out["advantages"][0][mask[0] > 0].abs().sum() > 0
+    # The score lands on the last policy token, and only there (no KL in the reward).
+    assert out["rewards"][0].nonzero().flatten().tolist() == [8] and out["rewards"][0, 8] == 1.0
+    # The engine's log-probs of tool tokens (0 by construction) sit where the mask is 0.
+    engine = engine_logprobs(gens, mask)
+    assert (engine[0][mask[0] > 0] == -1.0).all() and (engine * (1 - mask)).abs().sum() == 0
