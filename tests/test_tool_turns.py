@@ -236,3 +236,71 @@ def test_advantages_and_rewards_stay_on_the_policys_tokens(estimator):
     # The engine's log-probs of tool tokens (0 by construction) sit where the mask is 0.
     engine = engine_logprobs(gens, mask)
     assert (engine[0][mask[0] > 0] == -1.0).all() and (engine * (1 - mask)).abs().sum() == 0
+
+
+# --- start-up checks and one short PPO run with tools ------------------------------------------
+
+@pytest.mark.parametrize("setting, message", [
+    ("rollout.max_turns=2", "rollout.max_turns=2 (the retry dialogue)"),
+    ("rollout.backend=sglang", "rollout.backend=sglang (token ids in like hf, but not run"),
+    ("data.overlong=truncate", "data.overlong=truncate (it cuts prompts from the left"),
+    ("algorithm.filter_groups.enable=true", "algorithm.filter_groups")])
+def test_what_tools_do_not_combine_with_is_refused_at_start_up(tmp_path, setting, message):
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+    from megatron_rlhf.errors import UserError
+
+    path = tmp_path / "ppo.yaml"
+    path.write_text("rollout:\n  tools:\n    - name: calculator\n")
+    base = [f"actor.model_path={tmp_path}", f"data.train_files=[{tmp_path / 'p.parquet'}]",
+            "reward.fn=addition", "algorithm.adv_estimator=grpo", "rollout.n=2"]
+    validate_ppo_config(load_config(PPOConfig, str(path), base))  # alone: fine
+    import re
+
+    with pytest.raises(UserError, match=re.escape("rollout.tools is not supported with " + message)):
+        validate_ppo_config(load_config(PPOConfig, str(path), base + [setting]))
+
+
+@pytest.mark.slow
+def test_ppo_with_tools_trains_on_the_policys_tokens_and_logs_tool_metrics(caller, tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.test_ppo import finish, metrics, overrides, ppo
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("- name: calculator\n")
+    out = tmp_path / "run"
+    args = overrides(caller, out, f"rollout.tools_file={tools}", "rollout.max_assistant_turns=3",
+                     "rollout.tool_check=true", "data.max_prompt_length=96",
+                     "data.max_response_length=40", "trainer.max_steps=2",
+                     "trainer.eval_every_steps=0", "trainer.val_before_train=false",
+                     f"trainer.rollout_data_dir={out / 'rollouts'}")
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    rows = [r for r in metrics(out) if "actor/pg_loss" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["tools/calls"] > 0 and r["tools/calculator/calls"] == r["tools/calls"]
+        assert r["tools/template_mismatch"] == 0 and r["tools/errors"] == 0
+        assert 1 < r["tools/turns_mean"] <= 3 and r["tools/calls_per_sample"] > 0
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["critic/vf_loss"])
+        assert r["rollout/logprob_diff_max"] < 1e-4  # engine = actor on every policy token
+    # What was trained on: the policy's turns (mask 1, each closed by its end-of-turn token) and
+    # between them exactly the template's tool tokens (mask 0).
+    tok = AutoTokenizer.from_pretrained(caller / "base")
+    calc = append_ids(tok, [ToolResult("calculator", "42")], tool_schemas(load_tools(
+        [{"name": "calculator"}])))
+    samples = [json.loads(line) for path in sorted((out / "rollouts").glob("step_*.jsonl"))
+               for line in path.read_text().splitlines()]
+    assert len(samples) == 32 and any(0 in s["mask"] for s in samples)
+    for s in samples:
+        ids, mask = s["response_ids"], s["mask"]
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or mask[i] != mask[start]:
+                runs.append((mask[start], ids[start:i]))
+                start = i
+        assert all(part == calc for m, part in runs if m == 0)
+        assert all(part[-1] == tok.eos_token_id for m, part in runs if m == 1)
+        assert all(lp == 0.0 for lp, m in zip(s["logprobs"], mask) if m == 0)

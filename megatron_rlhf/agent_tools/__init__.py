@@ -12,4 +12,7 @@ What a multi-turn rollout needs, in the order it uses it (docs/tools.md):
   ``render.append_ids(tokenizer, results_of_one_sample, schemas)`` -> the ids to append after
   that sample's tokens (mask 0); ``executor.tool_metrics(results)`` -> ``tools/*`` counts;
 - ``rollout.tool_check``: ``render.template_mismatch(...)`` -> ``tools/template_mismatch``.
+
+The RL loop drives these turns in :mod:`megatron_rlhf.rollout.tool_turns` (``make_tool_env`` at
+start-up, ``run_tool_turns`` per generation).
 """

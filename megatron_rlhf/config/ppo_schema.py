@@ -417,14 +417,17 @@ class RolloutConfig:
     </tool_call>``, Qwen), ``llama3`` (``{"name": ..., "parameters": {...}}``), ``auto``: the
     one the chat template teaches."""
     max_assistant_turns: int = 4
-    """With tools: assistant turns per sample at most, each turn's calls answered before the next."""
+    """With tools: assistant turns per sample at most, each turn's calls answered before the next
+    (the last turn's calls stay unanswered, ``tools/unanswered``). The whole trajectory, tool
+    tokens included, fits ``data.max_response_length``."""
     sandbox: str = "require"
     """The ``python`` tool's isolation: ``require`` (bubblewrap namespaces and resource limits; a
     start-up error if bwrap cannot run) or ``best_effort`` (resource limits only when it cannot,
     said in one line at start-up)."""
     tool_check: bool = False
-    """Render each finished conversation with the chat template and count the tokens that differ
-    from the trajectory (``tools/template_mismatch``; a tokenisation per sample)."""
+    """Render each finished conversation with the chat template and compare its tokens with the
+    trajectory's (``tools/template_mismatch``: the samples that differ; a tokenisation per
+    sample). A policy's own non-canonical tokenisation of its text counts too."""
     tool_workers: int = 4
     """Processes answering user-function tools, and sandboxed ``python`` calls at once."""
 
