@@ -6,7 +6,6 @@ and one short PPO run with tools."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
