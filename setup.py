@@ -18,6 +18,7 @@ INSTALL_REQUIRES = [
     "ray[default]==2.60.0",
     "tqdm>=4.70",
     "matplotlib>=3.10,<4",  # the demo's PNG of the PPO curves
+    "jsonschema>=4.18,<5",  # rollout.tools: tool parameter schemas and call arguments checked
 ]
 
 TASKS = [  # verifiable rewards: reward.fn=math (math-verify), reward.fn=reasoning_gym:<task>

@@ -152,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(plan)
 
+    tools = jobs.add_parser("tools", help="run one tool call as a run would; print the result and "
+                                          "the tokens appended after the policy's turn")
+    tools.add_argument("--config", required=True, help="a PPO config, or any YAML with rollout.tools")
+    tools.add_argument("--call", required=True, help="the tool's name")
+    tools.add_argument("--args", default="{}", help="the call's arguments, a JSON object")
+    tools.add_argument("--tokenizer", help="tokenizer folder (default: the config's "
+                                           "actor.model_path or model.path)")
+
     demo = jobs.add_parser("demo", help="end-to-end CPU demo on an embedded tiny model")
     demo.add_argument("--out-dir", default="runs/demo")
     demo.add_argument("--seed", type=int, default=0,
@@ -305,6 +313,8 @@ def run(args) -> int:
         run_ab_test(args)
     elif args.job == "make-tiny-model":
         _make_tiny_model(args)
+    elif args.job == "tools":
+        return _tools(args)
     elif args.job == "demo":
         if args.model == "smollm2":
             from megatron_rlhf.demo_smollm2 import run_smollm2_demo
@@ -328,6 +338,23 @@ def _make_tiny_model(args) -> None:
     out = make_tiny_base(args.out_dir, texts, num_layers=args.num_layers,
                          hidden_size=args.hidden_size, family=args.family)
     print(f"wrote tiny base model to {out}")
+
+
+def _tools(args) -> int:
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.agent_tools.command import read_rollout, run_tool_call, tokenizer_path
+    from megatron_rlhf.checkpoint.model_ckpt import META_FILE, read_checkpoint_info
+
+    rollout, loaded = read_rollout(args.config)
+    path = tokenizer_path(loaded, args.tokenizer)
+    if (Path(path) / META_FILE).is_file():  # a megatron_rlhf checkpoint keeps its HF files aside
+        path = str(read_checkpoint_info(path).hf_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"tools: no tokenizer at {path} ({' '.join(str(err).split())[:200]})") from None
+    return run_tool_call(rollout, tokenizer, args.call, args.args)
 
 
 def _rank() -> int:

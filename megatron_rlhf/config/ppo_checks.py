@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_rlhf.agent_tools.spec import check_tool_settings
 from megatron_rlhf.algorithms.estimators import ESTIMATORS, estimator
 from megatron_rlhf.algorithms.policy_losses import POLICY_LOSSES
 from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
@@ -102,6 +103,8 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     check_stop_settings(t)
     _check_recipes(cfg)
     _check_reward(cfg)
+    if check_tool_settings(r):  # names, functions, schemas, formats of rollout.tools
+        _check_tool_combinations(cfg)
     if alg.adv_estimator in GROUP_ESTIMATORS and r.n < 2:
         raise UserError(f"config: algorithm.adv_estimator={alg.adv_estimator} compares samples of "
                         f"one prompt; set rollout.n >= 2 (got {r.n})")
@@ -126,6 +129,25 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     check_sglang_settings(r)
     _check_rollout_layout(cfg)
     return cfg
+
+
+def _check_tool_combinations(cfg: PPOConfig) -> None:
+    """What tool rollouts run with. Refused: what drives its own generation (the retry
+    dialogue, dynamic sampling's rounds, generation ahead, a play mode), offline samples, prompts
+    cut from the left (the schemas are at their start), and SGLang, not yet run with tools."""
+    r, d = cfg.rollout, cfg.data
+    refused = [(r.max_turns > 1, f"rollout.max_turns={r.max_turns} (the retry dialogue)"),
+               (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness} (generation "
+                "ahead sends whole steps to the rollout group, without the driver's turn loop)"),
+               (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups"),
+               (d.offline_fraction > 0, "data.offline_fraction"),
+               (d.overlong == "truncate", "data.overlong=truncate (it cuts prompts from the "
+                "left, where the chat template puts the tool schemas)"),
+               (r.backend == "sglang", "rollout.backend=sglang (token ids in like hf, but not "
+                "run with tools yet: no GPU test; use rollout.backend=hf)")]
+    for bad, what in refused:
+        if bad:
+            raise UserError(f"config: rollout.tools is not supported with {what}")
 
 
 def _check_trainer_steps(cfg: PPOConfig) -> None:

@@ -324,6 +324,30 @@ class RewardConfig:
 
 
 @dataclass
+class ToolConfig:
+    """One tool the policy may call (``rollout.tools``; docs/tools.md)."""
+
+    name: str = "???"
+    """Unique; the name the policy writes in a call."""
+    fn: str = ""
+    """``python`` (the code runs in the sandbox; its output is the answer), ``calculator``
+    (arithmetic), or ``package.module:function`` called with the call's arguments as keywords
+    (and ``row=``, the sample's row, if it has that parameter) returning text. Empty: the
+    built-in named ``name``."""
+    description: str = ""
+    """What the model reads about the tool; empty: a built-in's own."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """JSON schema of the call's arguments (``type: object``); empty: a built-in's own. Calls
+    whose arguments do not fit get an error message back."""
+    timeout_s: float = 10.0
+    """Wall-clock seconds a call may take (``python``: also its CPU seconds); past it the call is
+    killed and the policy reads a timeout message."""
+    max_response_tokens: int = 256
+    """A result is cut to this many tokens of the policy's tokenizer (``python``: its output is
+    read up to 8 bytes a token, the process killed past that)."""
+
+
+@dataclass
 class RolloutConfig:
     backend: str = "hf"
     """``hf`` (transformers generation with KV cache, CPU or GPU) or ``sglang`` (GPU)."""
@@ -383,6 +407,29 @@ class RolloutConfig:
     knows; the ones the config sets (tp, memory, seed, deterministic) are not taken here."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
+    tools: list[ToolConfig] = field(default_factory=list)
+    """Tools the policy may call (docs/tools.md); their schemas reach the model through the chat
+    template's ``tools=``. Empty (and no ``tools_file``): no tools."""
+    tools_file: Optional[str] = None
+    """A YAML file with a list of tools (entries as in ``tools``), added after ``tools``."""
+    tool_call_format: str = "auto"
+    """How calls are written: ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>``, Qwen), ``llama3`` (``{"name": ..., "parameters": {...}}``), ``auto``: the
+    one the chat template teaches."""
+    max_assistant_turns: int = 4
+    """With tools: assistant turns per sample at most, each turn's calls answered before the next
+    (the last turn's calls stay unanswered, ``tools/unanswered``). The whole trajectory, tool
+    tokens included, fits ``data.max_response_length``."""
+    sandbox: str = "require"
+    """The ``python`` tool's isolation: ``require`` (bubblewrap namespaces and resource limits; a
+    start-up error if bwrap cannot run) or ``best_effort`` (resource limits only when it cannot,
+    said in one line at start-up)."""
+    tool_check: bool = False
+    """Render each finished conversation with the chat template and compare its tokens with the
+    trajectory's (``tools/template_mismatch``: the samples that differ; a tokenisation per
+    sample). A policy's own non-canonical tokenisation of its text counts too."""
+    tool_workers: int = 4
+    """Processes answering user-function tools, and sandboxed ``python`` calls at once."""
 
 
 @dataclass

@@ -33,9 +33,10 @@ def as_messages(value, role: str, where: str = "") -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+def _render(tokenizer, messages: list[dict], generation_prompt: bool,
+            tools: list[dict] | None = None) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                              add_generation_prompt=generation_prompt)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n".join(m["content"] for m in messages) + ("\n" if generation_prompt else "")
@@ -45,9 +46,10 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> list[in
     return ids
 
 
-def render_prompt(tokenizer, prompt: list[dict]) -> list[int]:
-    """The prompt alone, ending where the assistant's reply starts."""
-    return _render(tokenizer, prompt, generation_prompt=True)
+def render_prompt(tokenizer, prompt: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt alone, ending where the assistant's reply starts; ``tools``: the schemas of
+    the tools the policy may call, which the chat template shows it (``rollout.tools``)."""
+    return _render(tokenizer, prompt, generation_prompt=True, tools=tools)
 
 
 def split_prompt_response(tokenizer, prompt: list[dict], response: list[dict],

@@ -21,17 +21,20 @@ class Prompt:
     """The prompt as text (for chat messages, the last user message's content)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """The row's other columns (neither prompt nor ground truth), by name."""
+    messages: tuple = field(default=(), compare=False, hash=False)
+    """The prompt as chat messages (what a tool rollout's check mode renders again)."""
 
 
 def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key: str,
                  max_prompt: int, overlong: str, need_ground_truth: bool,
-                 check_truth: Callable[[str], object] | None = None
-                 ) -> tuple[list[Prompt], LengthReport]:
+                 check_truth: Callable[[str], object] | None = None,
+                 tools: list[dict] | None = None) -> tuple[list[Prompt], LengthReport]:
     """Read, check and tokenise every file; :class:`UserError` names the file, column and row.
 
     Ground truths may be strings or numbers; ``check_truth(truth)`` (a built-in reward's reader,
     see ``RewardScorer.check_ground_truth``) must accept each one, so a value the reward cannot
-    read stops the run here rather than mid-training.
+    read stops the run here rather than mid-training. ``tools``: tool schemas the chat template
+    renders into every prompt (``rollout.tools``).
     """
     prompts, report = [], LengthReport(files=list(files), item="prompts")
     for path in files:
@@ -47,7 +50,7 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key:
         for row, (text, truth) in enumerate(zip(texts, truths)):
             where = f"{path}: column {prompt_key!r} row {row}"
             messages = as_messages(text, "user", where)
-            ids = render_prompt(tokenizer, messages)
+            ids = render_prompt(tokenizer, messages, tools)
             content = next(m["content"] for m in reversed(messages) if m["role"] == "user")
             extra = {name: values[row] for name, values in others.items()}
             if need_ground_truth and (truth is None or str(truth).strip() == ""):
@@ -65,7 +68,8 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, ground_truth_key:
                     report.dropped += 1
                     continue
                 ids, report.truncated = ids[-max_prompt:], report.truncated + 1
-            prompts.append(Prompt(tuple(ids), None if truth is None else str(truth), content, extra))
+            prompts.append(Prompt(tuple(ids), None if truth is None else str(truth), content, extra,
+                                  tuple(messages)))
     if not prompts:
         raise UserError(f"no usable prompts in {', '.join(files)} ({report})")
     return prompts, report

@@ -142,7 +142,7 @@ def resolve(spec: str, key: str = "reward.fn", options: RewardOptions = RewardOp
 
         fn = ReasoningGymReward.checked(spec.split(":", 1)[1], key)
     elif ":" in spec:
-        fn = _import_function(spec, key)
+        fn = import_function(spec, key)
     else:
         raise UserError(f"config: {key}={spec!r} is not a built-in reward ({', '.join(known_names())}), "
                         "'reasoning_gym:<task>' or 'package.module:function'")
@@ -154,7 +154,9 @@ def get_reward_fn(name: str) -> RewardFunction:
     return resolve(name)
 
 
-def _import_function(spec: str, key: str) -> Callable:
+def import_function(spec: str, key: str) -> Callable:
+    """The callable ``package.module:function`` names; :class:`UserError` naming ``key`` when it
+    does not import (also used by the tool registry, ``rollout.tools[].fn``)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UserError(f"config: {key}={spec!r} must read 'package.module:function'")

@@ -15,7 +15,6 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -32,15 +31,15 @@ from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.rewards.registry import RewardFunction
 from megatron_rlhf.rewards.scorer import RewardScorer
-from megatron_rlhf.rollout.base import Generation, SamplingParams
+from megatron_rlhf.rollout.base import Generation
 from megatron_rlhf.orchestration.worker_group import stitch
-from megatron_rlhf.rollout.engines import stitched
 from megatron_rlhf.trainers.rl.ahead import GenerationAhead
 from megatron_rlhf.trainers.loop import epoch_order
 from megatron_rlhf.trainers.rl.experience import (Experience, build_batch, engine_logprobs,
                                                    sample_kl, token_kl)
 from megatron_rlhf.trainers.rl.routing import recorded_routing
-from megatron_rlhf.trainers.rl.worker import PPOWorker, policy_is_moe
+from megatron_rlhf.trainers.rl.sampler import AgentSampling, reward_calls
+from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
 class Timer(dict):
@@ -68,7 +67,7 @@ def cat_rows(parts: list) -> torch.Tensor | None:
 
 
 @dataclass
-class PPORun(GenerationAhead):
+class PPORun(GenerationAhead, AgentSampling):
     cfg: PPOConfig
     actor: object  # WorkerGroup with the actor role
     critic: object  # WorkerGroup with the critic role: its own, the actor's, or a judge's
@@ -103,6 +102,10 @@ class PPORun(GenerationAhead):
     """``rollout.max_staleness > 0``: step -> :class:`InFlight` generation started ahead."""
     update_spans: dict = field(default_factory=dict)
     """step -> (start, end) wall-clock seconds of its update (``timing/overlap``)."""
+    tools: object = None
+    """``rollout.tools``' :class:`~megatron_rlhf.rollout.tool_turns.ToolEnv` (the run's, shared
+    by its agents), or None: rollouts are then tool-free."""
+    tool_metrics: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -156,6 +159,7 @@ class PPORun(GenerationAhead):
                 gens = ahead.pop("gens") if ahead else self.generate(
                     prompts, self.sampling(step), self.cfg.rollout.max_turns)
                 metrics |= ahead or self.staleness(step, self.engine_version)
+                metrics |= self.pop_tool_metrics()
         gens += [Generation(len(prompts) + i, list(s.tokens), list(s.logprobs), True)
                  for i, group in enumerate(offline) for s in group.samples]
         prompts = prompts + [group.prompt for group in offline]
@@ -217,58 +221,13 @@ class PPORun(GenerationAhead):
         self.log(f"offline: behaviour log-probs of {len(missing)} responses computed by the "
                  f"starting policy (no behaviour_logprobs column), saved to {path}")
 
-    def sampling(self, step: int, validation: bool = False) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(max_tokens=self.cfg.data.max_response_length,
-                              temperature=r.val_temperature if validation else r.temperature,
-                              top_p=1.0 if validation else r.top_p,
-                              top_k=0 if validation else r.top_k, n=1 if validation else r.n,
-                              stop_token_ids=self.stop_ids, seed=r.seed * 100003 + step,
-                              logprobs=not validation and reads_engine_logprobs(self.cfg),
-                              routed_experts=not validation and policy_is_moe(self.cfg.actor.model_path))
-
-    def generate(self, prompts: list[Prompt], params: SamplingParams, turns: int = 1) -> list[Generation]:
-        """``params.n`` samples per prompt; with ``turns > 1`` multi-turn ones (see
-        :mod:`megatron_rlhf.rollout.multi_turn`). The engines release their memory after."""
-        ids = [list(p.ids) for p in prompts]
-        if turns > 1:
-            from megatron_rlhf.rollout.multi_turn import run_turns
-
-            def check(items: list[tuple[int, list[int]]]) -> list[float]:
-                """One round of turns through the reward functions (errors counted)."""
-                texts = [self.tokenizer.decode(tokens, skip_special_tokens=True) for _, tokens in items]
-                return self.rewards.score("fn", _calls(texts, [prompts[i] for i, _ in items]))
-
-            out = run_turns(self._generate_ids, ids, params, None, turns, self.feedback_ids,
-                            score_many=check)
-            if self.rollout_group is None:
-                self.actor.call(PPOWorker.release_rollout)
-            return out
-        return self._generate_ids(ids, params, release=True)  # one round trip, not two
-
-    @cached_property
-    def feedback_ids(self) -> list[int]:
-        """The environment's retry turn in tokens (the same for every multi-turn sample)."""
-        from megatron_rlhf.rollout.multi_turn import feedback_tokens
-
-        return feedback_tokens(self.tokenizer, self.cfg.rollout.retry_feedback,
-                               self.tokenizer.eos_token_id)
-
-    def _generate_ids(self, ids: list[list[int]], params: SamplingParams,
-                      release: bool = False) -> list[Generation]:
-        if self.rollout_group is not None:
-            from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
-
-            return stitched(self.rollout_group.call(RolloutWorker.generate, ids, params))
-        return stitched(self.actor.call(PPOWorker.generate, ids, params, release))
-
     # ------------------------------------------------------------------ scoring and experience
     def scores(self, prompts: list[Prompt], gens: list[Generation], batch: Experience) -> dict:
         """Sequence scores [N] (the training signal) and the oracle's, when one exists."""
         # Multi-turn samples are judged by their last turn (the oracle) and trained on every
         # turn's reward; single-turn ones by the whole response.
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
-        calls = _calls(texts, [prompts[g.prompt_index] for g in gens])
+        calls = reward_calls(texts, [prompts[g.prompt_index] for g in gens])
         values = rm = None
         if uses_critic(self.cfg) or self.cfg.reward.model_path:
             parts = stitch(self.critic.call(PPOWorker.compute_values, batch))
@@ -312,7 +271,7 @@ class PPORun(GenerationAhead):
     def oracle_scores(self, prompts: list[Prompt], gens: list[Generation]) -> torch.Tensor:
         """The oracle's scores [N] alone (no reward model, no shaping): accuracy, not signal."""
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
-        return torch.tensor(self.rewards.score("oracle", _calls(texts, [prompts[g.prompt_index] for g in gens])))
+        return torch.tensor(self.rewards.score("oracle", reward_calls(texts, [prompts[g.prompt_index] for g in gens])))
 
     def reward_metrics(self) -> dict[str, float]:
         """``reward/errors``, ``reward/timeouts`` and the functions' extras since the last call
@@ -555,11 +514,6 @@ def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> 
                                     if k.startswith("timing/") and k != "timing/overlap"))
     if run.step < run.total_steps and (reason := run.stop_reason()):
         run.stop_now(reason)
-
-
-def _calls(texts: list[str], prompts: list[Prompt]) -> list[tuple]:
-    """Reward-function arguments ``(response, ground_truth, prompt, extra)`` per response."""
-    return [(text, p.ground_truth, p.text, p.extra) for text, p in zip(texts, prompts)]
 
 
 def _last_turn(g: Generation) -> list[int]:

@@ -93,9 +93,10 @@ def dump_rollouts(folder: Path, step: int, episode, version: int) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     scores = episode.scored["score"].tolist()
+    # Multi-turn samples carry their mask: 1 on the policy's tokens, 0 on the environment's.
     lines = [json.dumps({"step": step, "prompt_ids": list(episode.prompts[g.prompt_index].ids),
                          "response_ids": g.tokens, "logprobs": g.logprobs, "score": score,
-                         "weight_version": version})
+                         "weight_version": version} | ({"mask": g.mask} if g.mask is not None else {}))
              for g, score in zip(episode.gens, scores)]
     path = folder / f"step_{step}.jsonl"
     path.with_suffix(".partial").write_text("\n".join(lines) + "\n")

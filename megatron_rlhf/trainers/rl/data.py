@@ -36,7 +36,7 @@ def setup_data(cfg: PPOConfig, rewards) -> RunData:
     limits = dict(tokenizer=tokenizer, prompt_key=cfg.data.prompt_key,
                   ground_truth_key=cfg.data.ground_truth_key, max_prompt=cfg.data.max_prompt_length,
                   overlong=cfg.data.overlong, need_ground_truth=rewards.needs_ground_truth(),
-                  check_truth=rewards.check_ground_truth)
+                  check_truth=rewards.check_ground_truth, tools=tool_schemas_for(cfg, tokenizer))
     train, report = load_prompts(cfg.data.train_files, **limits)
     val = load_prompts(cfg.data.val_files, **limits)[0] if cfg.data.val_files else []
     steps_per_epoch = len(train) // cfg.data.train_batch_size
@@ -47,6 +47,20 @@ def setup_data(cfg: PPOConfig, rewards) -> RunData:
     total = min(total, cfg.trainer.max_steps) if cfg.trainer.max_steps else total
     return RunData(arch, tokenizer, train, val, report, total, steps_per_epoch,
                    stop_ids(tokenizer, cfg.rollout.stop))
+
+
+def tool_schemas_for(cfg: PPOConfig, tokenizer) -> list[dict] | None:
+    """The schemas of ``rollout.tools`` the prompts are rendered with, once the chat template is
+    checked to carry them (:func:`~megatron_rlhf.agent_tools.render.check_template`); None
+    without tools."""
+    from megatron_rlhf.agent_tools.render import check_template
+    from megatron_rlhf.agent_tools.spec import check_tool_settings, tool_schemas
+
+    tools = check_tool_settings(cfg.rollout)
+    if not tools:
+        return None
+    check_template(tokenizer, tools, cfg.rollout.tool_call_format)
+    return tool_schemas(tools)
 
 
 def reward_scorer(cfg: PPOConfig):

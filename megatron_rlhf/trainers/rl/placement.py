@@ -48,6 +48,7 @@ def setup(cfg: PPOConfig) -> RLRun:
     from megatron_rlhf.config.ppo_checks import validate_ppo_config
     from megatron_rlhf.trainers.rl.modes import make_mode
     from megatron_rlhf.orchestration.cluster import start_ray, stop_ray
+    from megatron_rlhf.rollout.tool_turns import make_tool_env
     from megatron_rlhf.trainers.rl.data import reward_scorer, setup_data
 
     if cfg.agents:
@@ -71,6 +72,7 @@ def setup(cfg: PPOConfig) -> RLRun:
     run.ray_started = start_ray(cfg.ray, sum(sizes.values()) + judge + apart, use_gpu)
     try:
         rewards.start()  # the reward pool: once per run
+        run.tools = make_tool_env(cfg.rollout, data.tokenizer)  # workers, sandbox probe
         threads = max(1, (torch.get_num_threads() if not use_gpu else 4) // (sum(sizes.values()) + judge))
         _place_judges(run, configs, data, use_gpu, threads)
         _place_agents(run, specs, configs, layouts, sizes, data, use_gpu, threads)
@@ -167,7 +169,7 @@ def _place_agents(run: RLRun, specs, configs, layouts, sizes, data, use_gpu, thr
                            data.stop_ids, run.rewards.fns.get("fn"), run.rewards.fns.get("oracle"),
                            data.total, data.steps_per_epoch, kl_controller(c), rewards=run.rewards,
                            label="ppo" if run.single else f"agent {spec.name}",
-                           judged=judge is not None)
+                           judged=judge is not None, tools=run.tools)
             run.agents[spec.name] = agent
             updates = _updates(c, spec.name, run.mode, data.total)
             group.build(PPOWorker, c, ("actor",) if judge or apart else ("actor", "critic"),
@@ -285,6 +287,8 @@ def shutdown(run: RLRun) -> None:
     """Close whatever exists (a failed set-up leaves part of it)."""
     if run.rewards is not None:
         run.rewards.close()
+    if run.tools is not None:
+        run.tools.close()
     if run.logger is not None:
         run.logger.close()
     for group in run.groups() + [a.rollout_group for a in run.agents.values() if a.rollout_group]:

@@ -46,6 +46,7 @@ class RLRun:
     judges: dict = field(default_factory=dict)  # reward model path -> WorkerGroup hosting it
     pools: list = field(default_factory=list)
     rewards: object = None  # the RewardScorer every agent shares
+    tools: object = None  # rollout.tools' ToolEnv every agent shares (None: no tools)
     ray_started: bool = False
     step: int = 0
     logger: object = None
