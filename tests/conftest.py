@@ -66,3 +66,22 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, where every test must run: {reason}"
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    # Under xdist the controller sees every worker's reports, so this sums per file over the run:
+    # with `--dist loadfile` a file's total is the time one worker spends on it.
+    name = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The files that cost the most worker time (docs/testing.md reads them off CI's log)."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest 12 files (setup + call + teardown, one worker each)")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
