@@ -113,3 +113,26 @@ def test_initial_a_is_seeded_by_name_and_follows_peft_inits():
     assert a.shape == (8, 256) and a.abs().max() <= 1 / 16 and a.abs().max() > 0.9 / 16
     gauss = initial_a(LoRASpec(rank=8, init="gaussian"), "x", 4096)
     assert abs(gauss.std().item() - 1 / 8) < 0.005
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("job,key", [("sft", "model.lora"), ("rm", "model.lora"),
+                                     ("ppo", "actor.lora"), ("ppo", "critic.lora")])
+def test_settings_are_checked_then_refused_until_the_trainers_carry_adapters(job, key):
+    from megatron_rlhf.config.loader import load_config, validate_rm_config, validate_sft_config
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+    from megatron_rlhf.config.schema import RMConfig, SFTConfig
+
+    schema, validate = {"sft": (SFTConfig, validate_sft_config), "rm": (RMConfig, validate_rm_config),
+                        "ppo": (PPOConfig, validate_ppo_config)}[job]
+    path = str(CONFIGS / job / "tiny_cpu.yaml")
+    validate(load_config(schema, path, []))  # rank 0 (the default): nothing changes
+    bad = load_config(schema, path, [f"{key}.rank=4", f"{key}.target_modules=[q_proj]"])
+    with pytest.raises(UserError, match=f"{key}.target_modules: unknown module 'q_proj'"):
+        validate(bad)
+    unwired = load_config(schema, path, [f"{key}.rank=4"])
+    with pytest.raises(UserError, match=f"{key}.rank=4: LoRA training is not wired"):
+        validate(unwired)

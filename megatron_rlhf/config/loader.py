@@ -177,4 +177,8 @@ def validate_training_config(config):
         if value not in allowed:
             raise UserError(f"config: {name}={value!r} must be one of {', '.join(allowed)}")
     check_parallel("parallel", config.parallel, config.model.moe)
+    from megatron_rlhf.config.lora import refuse_untrained_lora
+
+    refuse_untrained_lora("model.lora", config.model.lora,
+                          "sft" if isinstance(config, SFTConfig) else "train-rm")
     return config
