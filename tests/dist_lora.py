@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_rlhf.checkpoint.model_ckpt import (load_model_checkpoint, read_checkpoint_info,  # noqa: E402
+                                                  save_model_checkpoint)
 from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
 from megatron_rlhf.convert.peft import export_peft, gathered_adapters  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
@@ -27,7 +29,7 @@ from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
 from megatron_rlhf.models.lora import LoRASpec, adapters, adapters_disabled, apply_lora  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
-from tests.dist_parity import from_hf, logits_of, max_over_world  # noqa: E402
+from tests.dist_parity import from_hf, layout_groups, logits_of, max_over_world  # noqa: E402
 
 SPEC = LoRASpec(rank=4, alpha=8.0, seed=3)
 STEPS = 3
@@ -108,6 +110,10 @@ def run_layout(root: Path, name: str, label: str, results: dict, reference: dict
     compare(key, trained, reference, results)
     if EXPORT.get(name) == label:
         export_trained(root, name, model, groups, arch, padded, trained["logits"], tokens)
+    if name == "qwen2_policy" and label == "tp2":
+        save_model_checkpoint(model, Path(sys.argv[2]) / "ckpt_tp2", arch, padded, torch.float32,
+                              root / name, lora=SPEC)
+        reshard_checkpoint(Path(sys.argv[2]) / "ckpt_tp2", trained["logits"], tokens, results)
 
 
 def compare(key: str, trained: dict, reference: dict, results: dict) -> None:
@@ -138,6 +144,25 @@ def export_trained(root: Path, name: str, model, groups, arch, padded, logits, t
     if logits is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
         torch.save({"tokens": tokens, "logits": logits}, out / "megatron_logits.pt")
     dist.barrier()
+
+
+def reshard_checkpoint(path: Path, logits: torch.Tensor, tokens, results: dict) -> None:
+    """The TP2-trained adapters saved with the base reload at TP1 and PP2: as adapters, and
+    merged into the weights (a plain model, what exports and later stages get)."""
+    info = read_checkpoint_info(path)
+    results["ckpt/lora_spec_recorded"] = float(info.lora == SPEC)
+    for label, layout in (("tp1", (1, 1)), ("pp2", (1, 2)), ("tp2", (2, 1))):
+        for keep in (True, False):
+            groups = layout_groups(layout, info.arch.shape)
+            model = load_model_checkpoint(info, groups, keep_adapters=keep)
+            got = logits_of(model, groups, tokens, info.arch.vocab_size)
+            kind = "adapters" if keep else "merged"
+            results[f"ckpt/tp2->{label}/{kind}"] = max_over_world(
+                None if got is None else (got - logits).abs().max().item())
+            if not keep:
+                plain = not any(True for _ in adapters(model)) and all(
+                    p.requires_grad for p in model.parameters())
+                results[f"ckpt/tp2->{label}/merged_is_plain"] = float(plain)
 
 
 def refusals(root: Path, results: dict) -> None:

@@ -1,6 +1,6 @@
 """LoRA on Megatron (issue 36): adapters under TP1/TP2/TP2+SP/PP2 and the distributed optimizer
-(one 2-rank torchrun of tests/dist_lora.py, ~1 minute), their PEFT export against transformers +
-PEFT, and the settings' refusals."""
+(one 2-rank torchrun of tests/dist_lora.py, ~1 minute), their checkpoints resharded and merged,
+their PEFT export against transformers + PEFT, and the settings' refusals."""
 
 from pathlib import Path
 
@@ -54,6 +54,17 @@ def test_trained_adapters_match_tp1(lora, model, layout):
     if layout != "tp1_distopt":
         assert 0 <= results[f"{key}/grads_vs_tp1"] < 1e-5
         assert results[f"{key}/max_abs_grad"] > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2", "tp2"])
+def test_tp2_checkpoint_with_adapters_reloads_at_any_layout(lora, layout):
+    results = lora[0]
+    assert results["ckpt/lora_spec_recorded"] == 1.0
+    # B split along rows (fused QKV, fc1's gate/up halves) and A along columns reshard exactly.
+    assert 0 <= results[f"ckpt/tp2->{layout}/adapters"] < 1e-5
+    # Merged into the weights: a plain model (no adapters, all trainable) with the same logits.
+    assert 0 <= results[f"ckpt/tp2->{layout}/merged"] < 1e-5
+    assert results[f"ckpt/tp2->{layout}/merged_is_plain"] == 1.0
 
 
 @pytest.mark.parametrize("model", ["qwen2_policy", "llama_policy"])

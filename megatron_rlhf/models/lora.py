@@ -30,9 +30,10 @@ starts as its base exactly. Applying LoRA freezes every other parameter except a
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,14 @@ class LoRASpec:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    def as_dict(self) -> dict:
+        """JSON-ready (a checkpoint's metadata); :meth:`from_dict` reads it back."""
+        return {**asdict(self), "target_modules": list(self.target_modules)}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "LoRASpec":
+        return cls(**{**values, "target_modules": tuple(values["target_modules"])})
 
 
 def check_spec(spec: LoRASpec, where: str = "lora") -> None:
@@ -116,9 +125,10 @@ class LoRAAdapter(nn.Module):
     part, see the module docstring for which one is split).
     """
 
-    def __init__(self, base, spec: LoRASpec, key: str, column: bool):
+    def __init__(self, base, spec: LoRASpec, key: str, column: bool, glu: bool = False):
         super().__init__()
         self.column = column
+        self.glu = glu  # B's rows are fc1's [gate; up] halves, each cut over TP
         self.scale = spec.scale
         self.dropout = spec.dropout
         self.enabled = True
@@ -169,6 +179,26 @@ class LoRAAdapter(nn.Module):
             h = (tpl.reduce_scatter_to_sequence_parallel_region(h, group=group) if sp
                  else tpl.reduce_from_tensor_model_parallel_region(h, group=group))
         return F.linear(h, self.lora_b) * self.scale
+
+
+def _sharded_state_dict(base, prefix="", sharded_offsets=(), metadata=None):
+    """The base linear's checkpoint entries with its adapter's split parameter cut over TP as
+    the base weight is (``B`` along rows, fc1's per gate/up half; ``A`` along columns), so a
+    checkpoint reloads under any TP/PP layout; the replicated one is saved once."""
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    state = type(base).sharded_state_dict(base, prefix, sharded_offsets, metadata)
+    adapter = base.adapter
+    name, axis = ("lora_b", 0) if adapter.column else ("lora_a", 1)
+    key = f"{prefix}adapter.{name}"
+    state[key] = make_tp_sharded_tensor_for_checkpoint(
+        getattr(adapter, name), key, axis, prepend_offsets=sharded_offsets,
+        tp_group=base.tp_group, dp_cp_group=metadata["dp_cp_group"])
+    if adapter.glu:
+        singleton = (metadata or {}).get("singleton_local_shards", False)
+        state[key] = apply_swiglu_sharded_factory(state[key], sharded_offsets, singleton)
+    return state
 
 
 def _add_adapter_term(base, args, output):
@@ -232,10 +262,34 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
         param.requires_grad_(False)
     if isinstance(head, ValueHead):
         head.weight.requires_grad_(True)
-    for _, base, column, key in found:
-        base.adapter = LoRAAdapter(base, spec, key, column)
-        base.register_forward_hook(_add_adapter_term)
+    for name, base, column, key in found:
+        glu = name.endswith("linear_fc1") and base.config.gated_linear_unit
+        base.adapter = LoRAAdapter(base, spec, key, column, glu)
+        base.adapter.hook = base.register_forward_hook(_add_adapter_term)
+        base.sharded_state_dict = functools.partial(_sharded_state_dict, base)
     return [name for name, *_ in found]
+
+
+@torch.no_grad()
+def merge_adapters(model) -> int:
+    """Fold every adapter into its base weight, ``W += (alpha/rank) * B @ A`` on this rank's
+    pieces (a column-parallel base's local rows, a row-parallel one's local columns: no
+    communication), remove the adapters and make every parameter trainable again: a plain model
+    computing what the adapted one did (to rounding). Returns how many were merged."""
+    merged = 0
+    for name, module in list(model.named_modules()):
+        adapter = getattr(module, "adapter", None)
+        if not isinstance(adapter, LoRAAdapter):
+            continue
+        delta = adapter.scale * (adapter.lora_b.float() @ adapter.lora_a.float())
+        module.weight.add_(delta.to(module.weight.dtype))
+        adapter.hook.remove()
+        del module.adapter
+        del module.sharded_state_dict  # the class's own again
+        merged += 1
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return merged
 
 
 def adapters(model):
