@@ -22,6 +22,7 @@ from megatron_rlhf.checkpoint.model_ckpt import (load_model_checkpoint, read_che
                                                   save_model_checkpoint)
 from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
 from megatron_rlhf.convert.peft import export_peft, gathered_adapters  # noqa: E402
+from megatron_rlhf.convert.streaming_export import export_hf  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.errors import UserError  # noqa: E402
 from megatron_rlhf.models.forward import token_cross_entropy  # noqa: E402
@@ -114,6 +115,7 @@ def run_layout(root: Path, name: str, label: str, results: dict, reference: dict
         save_model_checkpoint(model, Path(sys.argv[2]) / "ckpt_tp2", arch, padded, torch.float32,
                               root / name, lora=SPEC)
         reshard_checkpoint(Path(sys.argv[2]) / "ckpt_tp2", trained["logits"], tokens, results)
+        export_merged(Path(sys.argv[2]), trained["logits"], tokens)
 
 
 def compare(key: str, trained: dict, reference: dict, results: dict) -> None:
@@ -163,6 +165,15 @@ def reshard_checkpoint(path: Path, logits: torch.Tensor, tokens, results: dict) 
                 plain = not any(True for _ in adapters(model)) and all(
                     p.requires_grad for p in model.parameters())
                 results[f"ckpt/tp2->{label}/merged_is_plain"] = float(plain)
+
+
+def export_merged(work: Path, logits: torch.Tensor, tokens) -> None:
+    """``convert mcore-to-hf``'s streaming export of the LoRA checkpoint: adapters merged."""
+    info = read_checkpoint_info(work / "ckpt_tp2")
+    export_hf(info, work / "hf_merged", layout_groups((1, 1), info.arch.shape), 2**20)
+    if dist.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits}, work / "hf_merged_logits.pt")
+    dist.barrier()
 
 
 def refusals(root: Path, results: dict) -> None:

@@ -67,6 +67,18 @@ def test_tp2_checkpoint_with_adapters_reloads_at_any_layout(lora, layout):
     assert results[f"ckpt/tp2->{layout}/merged_is_plain"] == 1.0
 
 
+def test_mcore_to_hf_of_a_lora_checkpoint_merges_the_adapters(lora):
+    from transformers import AutoModelForCausalLM
+
+    _, work, root = lora
+    saved = torch.load(work / "hf_merged_logits.pt")
+    merged = AutoModelForCausalLM.from_pretrained(work / "hf_merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(root / "qwen2_policy").eval()
+    with torch.no_grad():
+        assert (merged(saved["tokens"]).logits - saved["logits"]).abs().max().item() < 1e-5
+        assert (base(saved["tokens"]).logits - saved["logits"]).abs().max().item() > 1e-2
+
+
 @pytest.mark.parametrize("model", ["qwen2_policy", "llama_policy"])
 def test_peft_export_loads_in_peft_with_our_logits(lora, model):
     from peft import PeftModel
