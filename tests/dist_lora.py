@@ -4,13 +4,14 @@ Every layout trains the same adapters on the same batch for a few steps (a layou
 parallelism feeds each DP rank the same micro-batches, so DDP's mean is the single-rank
 gradient); rank 0 writes a JSON of ``scenario -> number`` the pytest side asserts on, and the
 trained policy's PEFT export plus its logits for the transformers/PEFT comparison.
-Usage: torchrun --nproc-per-node 2 tests/dist_lora.py MODELS_ROOT WORKDIR OUT.json
+Usage: torchrun --nproc-per-node 2 tests/dist_lora.py MODELS_ROOT WORKDIR SFT_WORKSPACE OUT.json
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from megatron_rlhf.convert.peft import export_peft, gathered_adapters  # noqa: E
 from megatron_rlhf.convert.streaming_export import export_hf  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.errors import UserError  # noqa: E402
-from megatron_rlhf.models.forward import token_cross_entropy  # noqa: E402
+from megatron_rlhf.models.forward import model_forward, token_cross_entropy  # noqa: E402
 from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
 from megatron_rlhf.models.lora import LoRASpec, adapters, adapters_disabled, apply_lora  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
@@ -141,7 +142,7 @@ def compare(key: str, trained: dict, reference: dict, results: dict) -> None:
 
 
 def export_trained(root: Path, name: str, model, groups, arch, padded, logits, tokens) -> None:
-    out = Path(sys.argv[2]) / f"peft_{name}"
+    out = Path(sys.argv[2]) / f"peft_{name}"  # WORKDIR
     export_peft(model, arch, groups, padded, SPEC, out, base_model=str(root / name))
     if logits is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
         torch.save({"tokens": tokens, "logits": logits}, out / "megatron_logits.pt")
@@ -176,6 +177,111 @@ def export_merged(work: Path, logits: torch.Tensor, tokens) -> None:
     dist.barrier()
 
 
+def trained_adapters(root: Path, layout, distopt: bool, steps: range, resume: Path | None = None,
+                     save_at: int | None = None, out: Path | None = None) -> dict:
+    """Adapters after ``steps`` (indexes into a 4-step schedule), saving a training checkpoint
+    after step ``save_at`` into ``out``, or first resuming from ``resume``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter, load_train_checkpoint
+
+    model, groups, arch = from_hf(root / "qwen2_policy", layout)
+    apply_lora(model, SPEC)
+    trainable = make_trainable(model, groups, OPTIM, 4, distributed_optimizer=distopt)
+    if resume is not None:
+        load_train_checkpoint(resume, trainable)
+    for step in steps:
+        train_step(trainable, batches(), mean_loss(arch.vocab_size, groups))
+        if step == save_at:
+            writer = CheckpointWriter(out, trainable, {"kind": "policy", "family": arch.family,
+                                                       "padded_vocab": 256, "lora": SPEC.as_dict()},
+                                      AutoConfig.from_pretrained(root / "qwen2_policy"),
+                                      AutoTokenizer.from_pretrained(root / "tokenizer"), 2)
+            writer.save(step + 1, {"step": step + 1})
+    return gathered_adapters(model, arch, groups, padded_vocab_size(arch.vocab_size, layout[0]))
+
+
+def resume_exactly(root: Path, work: Path, results: dict) -> None:
+    """Save after 2 of 4 steps, resume, finish: the adapters equal the uninterrupted run's."""
+    # Not with the distributed optimizer: resuming one (LoRA or not) trips megatron-core 0.16.1's
+    # `assert len(steps) == 1` in DistributedOptimizer.state_dict on CPU (no apex/TE), as the
+    # fresh optimizer has no state yet.
+    for label, layout, distopt in (("tp2", (2, 1), False), ("dp2", (1, 1), False)):
+        out = work / f"train_{label}"
+        straight = trained_adapters(root, layout, distopt, range(4), save_at=1, out=out)
+        resumed = trained_adapters(root, layout, distopt, range(2, 4), resume=out / "step_00000002")
+        results[f"resume/{label}"] = max((straight[k] - resumed[k]).abs().max().item()
+                                         for k in straight)
+
+
+def dropout_runs(root: Path, results: dict) -> None:
+    """Adapter dropout under TP2 and TP2+SP: active in training (two passes differ), off in
+    eval; the default RNG (replicated inputs' masks) stays in lockstep over the TP ranks."""
+    from dataclasses import replace
+
+    tokens = batches()[0]["input_ids"]
+    for label, sp in (("tp2", False), ("tp2sp", True)):
+        model, groups, arch = from_hf(root / "qwen2_policy", (2, 1),
+                                      options=ModelOptions(sequence_parallel=sp))
+        apply_lora(model, replace(SPEC, dropout=0.5))
+        with torch.no_grad():
+            for _, adapter in adapters(model):  # a non-zero B, so dropout shows in the output
+                adapter.lora_b.copy_(torch.randn(adapter.lora_b.shape,
+                                                 generator=torch.Generator().manual_seed(5)))
+        model.train()
+        first = model_forward(model, {"input_ids": tokens})
+        first.float().pow(2).mean().backward()  # the backward through the masks runs
+        with torch.no_grad():
+            second = model_forward(model, {"input_ids": tokens})
+        evaluated = logits_of(model, groups, tokens, arch.vocab_size)  # eval mode
+        again = logits_of(model, groups, tokens, arch.vocab_size)
+        with adapters_disabled(model):
+            base = logits_of(model, groups, tokens, arch.vocab_size)
+        state = torch.random.get_rng_state()
+        states = [torch.zeros_like(state) for _ in range(2)]
+        dist.all_gather(states, state)
+        results[f"dropout/{label}/train_passes_differ"] = (first - second).abs().max().item()
+        results[f"dropout/{label}/eval_repeats"] = (evaluated - again).abs().max().item()
+        results[f"dropout/{label}/eval_vs_base"] = (evaluated - base).abs().max().item()
+        results[f"dropout/{label}/a_grads_finite"] = float(all(
+            torch.isfinite(a.lora_a.grad).all().item() for _, a in adapters(model)))
+        results[f"dropout/{label}/rng_lockstep"] = float(torch.equal(states[0], states[1]))
+
+
+def value_model_head_trains(root: Path, results: dict) -> None:
+    """On a reward/value model the scalar head trains beside the adapters."""
+    model, _, _ = from_hf(root / "qwen2_rm", (2, 1))
+    apply_lora(model, SPEC)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    expected = {f"{name}.adapter.lora_{x}" for name, _ in adapters(model) for x in "ab"}
+    results["value/trainable_are_adapters_and_head"] = float(
+        trained == expected | {"output_layer.weight"})
+
+
+def sft_with_lora(workspace: Path, work: Path, results: dict) -> None:
+    """`megatron-rlhf sft` with model.lora at TP2, in this world: it learns, and its checkpoint
+    carries the adapters."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.schema import SFTConfig
+    from megatron_rlhf.trainers.sft import train_sft
+    from tests.dist_parity import release_groups
+
+    release_groups()
+    out = work / "sft_lora"
+    config = load_config(SFTConfig, str(Path(__file__).parents[1] / "configs/sft/tiny_cpu.yaml"), [
+        f"model.path={workspace / 'base'}", f"data.train_files=[{workspace / 'data/sft_train.parquet'}]",
+        "data.val_files=[]", f"trainer.output_dir={out}", "data.train_batch_size=16",
+        "data.micro_batch_size_per_rank=8", "trainer.max_steps=6", "trainer.logger=console",
+        "trainer.log_every_steps=1", "optim.lr=1e-2", "model.lora.rank=8", "parallel.tp=2"])
+    train_sft(config)
+    if dist.get_rank() == 0:
+        losses = [json.loads(line)["train/loss"]
+                  for line in (out / "metrics.jsonl").read_text().splitlines()]
+        results["sft/first_loss"], results["sft/last_loss"] = losses[0], losses[-1]
+        results["sft/checkpoint_lora_rank"] = float(
+            read_checkpoint_info(out / "checkpoints/step_00000006").lora.rank)
+
+
 def refusals(root: Path, results: dict) -> None:
     """Each bad setting raises one UserError naming the problem (on every rank)."""
     cases = {"rank_wider_than_layer": LoRASpec(rank=65),
@@ -197,15 +303,25 @@ def refusals(root: Path, results: dict) -> None:
 
 
 def main() -> None:
-    root, out = Path(sys.argv[1]), Path(sys.argv[3])
+    root, work, sft, out = (Path(arg) for arg in sys.argv[1:5])
     init_distributed()
     results: dict = {}
-    for name in ("qwen2_policy", "llama_policy"):
-        reference: dict = {}
-        labels = LAYOUTS if name == "qwen2_policy" else ("tp1", "tp2")
-        for label in labels:
-            run_layout(root, name, label, results, reference)
-    refusals(root, results)
+
+    def layouts():
+        for name in ("qwen2_policy", "llama_policy"):
+            reference: dict = {}
+            for label in LAYOUTS if name == "qwen2_policy" else ("tp1", "tp2"):
+                run_layout(root, name, label, results, reference)
+
+    sections = {"layouts": layouts, "resume": lambda: resume_exactly(root, work, results),
+                "value": lambda: value_model_head_trains(root, results),
+                "dropout": lambda: dropout_runs(root, results),
+                "sft": lambda: sft_with_lora(sft, work, results),
+                "refusals": lambda: refusals(root, results)}
+    for section, run in sections.items():
+        started = time.perf_counter()
+        run()
+        results[f"seconds/{section}"] = round(time.perf_counter() - started, 1)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=2))
     dist.barrier()

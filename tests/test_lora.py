@@ -20,9 +20,12 @@ PARITY = [run for run in RUNS if run[1] != "tp1"]
 
 @pytest.fixture(scope="module")
 def lora(tiny_models, tmp_path_factory):
+    from tests.tiny_models import build_task_workspace
+
     work = tmp_path_factory.mktemp("lora")
     root = next(iter(tiny_models.values())).parent
-    return torchrun_results(SCRIPT, 2, root, work, out=work / "results.json"), work, root
+    sft = build_task_workspace(work / "sft_workspace", train=64, val=8, seed=5)
+    return torchrun_results(SCRIPT, 2, root, work, sft, out=work / "results.json"), work, root
 
 
 @pytest.mark.parametrize("model,layout", RUNS)
@@ -56,6 +59,12 @@ def test_trained_adapters_match_tp1(lora, model, layout):
         assert results[f"{key}/max_abs_grad"] > 1e-3
 
 
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_training_resumes_exactly_from_a_lora_checkpoint(lora, layout):
+    # 4 steps straight vs 2 steps, a training checkpoint (model, optimizer, schedule, RNG), 2 more.
+    assert lora[0][f"resume/{layout}"] == 0.0
+
+
 @pytest.mark.parametrize("layout", ["tp1", "pp2", "tp2"])
 def test_tp2_checkpoint_with_adapters_reloads_at_any_layout(lora, layout):
     results = lora[0]
@@ -65,6 +74,27 @@ def test_tp2_checkpoint_with_adapters_reloads_at_any_layout(lora, layout):
     # Merged into the weights: a plain model (no adapters, all trainable) with the same logits.
     assert 0 <= results[f"ckpt/tp2->{layout}/merged"] < 1e-5
     assert results[f"ckpt/tp2->{layout}/merged_is_plain"] == 1.0
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp"])
+def test_adapter_dropout_trains_and_is_off_in_eval(lora, layout):
+    results = lora[0]
+    key = f"dropout/{layout}"
+    assert results[f"{key}/train_passes_differ"] > 1e-2
+    assert results[f"{key}/eval_repeats"] == 0.0 and results[f"{key}/eval_vs_base"] > 1e-2
+    assert results[f"{key}/a_grads_finite"] == 1.0
+    # Replicated inputs draw their masks from the default RNG: the same on every TP rank.
+    assert results[f"{key}/rng_lockstep"] == 1.0
+
+
+def test_value_model_trains_its_head_beside_the_adapters(lora):
+    assert lora[0]["value/trainable_are_adapters_and_head"] == 1.0
+
+
+def test_sft_trains_adapters_and_checkpoints_them(lora):
+    results = lora[0]
+    assert results["sft/last_loss"] < results["sft/first_loss"] - 0.2
+    assert results["sft/checkpoint_lora_rank"] == 8
 
 
 def test_mcore_to_hf_of_a_lora_checkpoint_merges_the_adapters(lora):
@@ -141,9 +171,7 @@ def test_initial_a_is_seeded_by_name_and_follows_peft_inits():
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("job,key", [("sft", "model.lora"), ("rm", "model.lora"),
-                                     ("ppo", "actor.lora"), ("ppo", "critic.lora")])
-def test_settings_are_checked_then_refused_until_the_trainers_carry_adapters(job, key):
+def _load(job: str, overrides: list[str]):
     from megatron_rlhf.config.loader import load_config, validate_rm_config, validate_sft_config
     from megatron_rlhf.config.ppo_checks import validate_ppo_config
     from megatron_rlhf.config.ppo_schema import PPOConfig
@@ -151,11 +179,21 @@ def test_settings_are_checked_then_refused_until_the_trainers_carry_adapters(job
 
     schema, validate = {"sft": (SFTConfig, validate_sft_config), "rm": (RMConfig, validate_rm_config),
                         "ppo": (PPOConfig, validate_ppo_config)}[job]
-    path = str(CONFIGS / job / "tiny_cpu.yaml")
-    validate(load_config(schema, path, []))  # rank 0 (the default): nothing changes
-    bad = load_config(schema, path, [f"{key}.rank=4", f"{key}.target_modules=[q_proj]"])
+    return validate(load_config(schema, str(CONFIGS / job / "tiny_cpu.yaml"), overrides))
+
+
+@pytest.mark.parametrize("job,key", [("sft", "model.lora"), ("rm", "model.lora"),
+                                     ("ppo", "actor.lora"), ("ppo", "critic.lora")])
+def test_settings_are_checked_at_start_up(job, key):
+    _load(job, [])  # rank 0 (the default): nothing changes
     with pytest.raises(UserError, match=f"{key}.target_modules: unknown module 'q_proj'"):
-        validate(bad)
-    unwired = load_config(schema, path, [f"{key}.rank=4"])
-    with pytest.raises(UserError, match=f"{key}.rank=4: LoRA training is not wired"):
-        validate(unwired)
+        _load(job, [f"{key}.rank=4", f"{key}.target_modules=[q_proj]"])
+    with pytest.raises(UserError, match=f"{key}.dropout must be in"):
+        _load(job, [f"{key}.rank=4", f"{key}.dropout=1.5"])
+
+
+@pytest.mark.parametrize("key", ["actor.lora", "critic.lora"])
+def test_ppo_refuses_adapters_until_its_workers_run_them(key):
+    with pytest.raises(UserError, match=f"{key}.rank=4: LoRA training is not wired into "
+                                        "`megatron-rlhf ppo`"):
+        _load("ppo", [f"{key}.rank=4"])

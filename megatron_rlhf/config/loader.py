@@ -177,8 +177,7 @@ def validate_training_config(config):
         if value not in allowed:
             raise UserError(f"config: {name}={value!r} must be one of {', '.join(allowed)}")
     check_parallel("parallel", config.parallel, config.model.moe)
-    from megatron_rlhf.config.lora import refuse_untrained_lora
+    from megatron_rlhf.config.lora import lora_spec
 
-    refuse_untrained_lora("model.lora", config.model.lora,
-                          "sft" if isinstance(config, SFTConfig) else "train-rm")
+    lora_spec("model.lora", config.model.lora)
     return config

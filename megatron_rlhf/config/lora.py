@@ -17,10 +17,9 @@ def lora_spec(prefix: str, settings: LoRAConfig, seed: int = 0) -> LoRASpec:
 
 
 def refuse_untrained_lora(prefix: str, settings: LoRAConfig, job: str) -> None:
-    """Checks the settings, then refuses adapters in a trainer that does not run them yet: its
-    checkpoints, resume and exports would not carry them (issue 36; the adapters themselves,
-    their parity under TP/SP/PP and the PEFT export are in models/lora.py and convert/peft.py)."""
+    """Checks the settings, then refuses adapters in a job that does not run them yet (PPO: its
+    workers' weight sync to the rollout engine and its reference model do not know them)."""
     if lora_spec(prefix, settings).rank:
         raise UserError(f"config: {prefix}.rank={settings.rank}: LoRA training is not wired into "
-                        f"`megatron-rlhf {job}` yet (its checkpoints and exports do not carry "
-                        "adapters); leave rank at 0")
+                        f"`megatron-rlhf {job}` yet (weight sync and the reference model); "
+                        "leave rank at 0")

@@ -57,8 +57,8 @@ class ModelConfig:
     """Parameter dtype: ``auto`` (float32 on CPU, bfloat16 on GPU), float32, bfloat16."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """LoRA adapters instead of full fine-tuning (``rank`` 0: off). Not wired into the trainers
-    yet: a rank above 0 is refused at start-up."""
+    """LoRA adapters instead of full fine-tuning (``rank`` 0: off). Checkpoints keep adapters
+    beside the frozen base; loading one for another job, and ``convert mcore-to-hf``, merge them."""
 
 
 @dataclass
