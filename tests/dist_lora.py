@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rlhf.checkpoint.model_ckpt import (load_model_checkpoint, read_checkpoint_info,  # noqa: E402
-                                                  save_model_checkpoint)
+from megatron_rlhf.checkpoint.model_ckpt import (  # noqa: E402
+    load_model_checkpoint, read_checkpoint_info, save_model_checkpoint)
 from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
 from megatron_rlhf.convert.peft import export_peft, gathered_adapters  # noqa: E402
 from megatron_rlhf.convert.streaming_export import export_hf  # noqa: E402
@@ -28,7 +28,8 @@ from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.errors import UserError  # noqa: E402
 from megatron_rlhf.models.forward import model_forward, token_cross_entropy  # noqa: E402
 from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
-from megatron_rlhf.models.lora import LoRASpec, adapters, adapters_disabled, apply_lora  # noqa: E402
+from megatron_rlhf.models.lora import (  # noqa: E402
+    LoRASpec, adapters, adapters_disabled, apply_lora)
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
 from tests.dist_parity import from_hf, layout_groups, logits_of, max_over_world  # noqa: E402
@@ -138,7 +139,8 @@ def compare(key: str, trained: dict, reference: dict, results: dict) -> None:
         results[f"{key}/grads_vs_tp1"] = max(
             (trained["grads"][k] - reference["grads"][k]).abs().max().item()
             for k in reference["grads"])
-        results[f"{key}/max_abs_grad"] = max(v.abs().max().item() for v in trained["grads"].values())
+        results[f"{key}/max_abs_grad"] = max(v.abs().max().item()
+                                              for v in trained["grads"].values())
 
 
 def export_trained(root: Path, name: str, model, groups, arch, padded, logits, tokens) -> None:
@@ -269,7 +271,8 @@ def sft_with_lora(workspace: Path, work: Path, results: dict) -> None:
     release_groups()
     out = work / "sft_lora"
     config = load_config(SFTConfig, str(Path(__file__).parents[1] / "configs/sft/tiny_cpu.yaml"), [
-        f"model.path={workspace / 'base'}", f"data.train_files=[{workspace / 'data/sft_train.parquet'}]",
+        f"model.path={workspace / 'base'}",
+        f"data.train_files=[{workspace / 'data/sft_train.parquet'}]",
         "data.val_files=[]", f"trainer.output_dir={out}", "data.train_batch_size=16",
         "data.micro_batch_size_per_rank=8", "trainer.max_steps=6", "trainer.logger=console",
         "trainer.log_every_steps=1", "optim.lr=1e-2", "model.lora.rank=8", "parallel.tp=2"])

@@ -177,7 +177,8 @@ def _load(job: str, overrides: list[str]):
     from megatron_rlhf.config.ppo_schema import PPOConfig
     from megatron_rlhf.config.schema import RMConfig, SFTConfig
 
-    schema, validate = {"sft": (SFTConfig, validate_sft_config), "rm": (RMConfig, validate_rm_config),
+    schema, validate = {"sft": (SFTConfig, validate_sft_config),
+                        "rm": (RMConfig, validate_rm_config),
                         "ppo": (PPOConfig, validate_ppo_config)}[job]
     return validate(load_config(schema, str(CONFIGS / job / "tiny_cpu.yaml"), overrides))
 

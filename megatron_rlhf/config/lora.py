@@ -1,4 +1,4 @@
-"""The ``*.lora`` settings (``model.lora``, ``actor.lora``, ``critic.lora``) -> checked adapter specs."""
+"""The ``*.lora`` settings (``model.lora``, ``actor.lora``, ``critic.lora``) -> checked specs."""
 
 from __future__ import annotations
 

@@ -254,7 +254,8 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
                           f"layers.{layer.layer_number - 1}.{path}"))
     missing = set(spec.target_modules) - {name.rsplit(".", 1)[-1] for name, *_ in found}
     if missing and len(model.decoder.layers):
-        mla = " (multi-latent attention models: not supported yet)" if "linear_qkv" in missing else ""
+        mla = (" (multi-latent attention models: not supported yet)"
+               if "linear_qkv" in missing else "")
         raise UserError(f"lora.target_modules: this model has no {', '.join(sorted(missing))}"
                         f"{mla}; supported: {', '.join(SUPPORTED_TARGETS)}")
     head = getattr(model, "output_layer", None)

@@ -73,10 +73,10 @@ def add_adapters(model, settings: LoRAConfig, seed: int, tag: str) -> dict:
     if not adapted:
         return {}
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[{tag}] LoRA rank {spec.rank} on {len(adapted)} linears of this stage: "
-              f"{trainable:,} trainable parameters of {sum(p.numel() for p in model.parameters()):,} "
-              "on rank 0", flush=True)
+              f"{trainable:,} trainable parameters of {total:,} on rank 0", flush=True)
     return {"lora": spec.as_dict()}
 
 
