@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_rlhf.checkpoint.model_ckpt import (  # noqa: E402
     load_model_checkpoint, read_checkpoint_info, save_model_checkpoint)
 from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
+from megatron_rlhf.convert.checkpoints import mcore_to_peft  # noqa: E402
 from megatron_rlhf.convert.peft import export_peft, gathered_adapters  # noqa: E402
 from megatron_rlhf.convert.streaming_export import export_hf  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
@@ -171,9 +172,11 @@ def reshard_checkpoint(path: Path, logits: torch.Tensor, tokens, results: dict) 
 
 
 def export_merged(work: Path, logits: torch.Tensor, tokens) -> None:
-    """``convert mcore-to-hf``'s streaming export of the LoRA checkpoint: adapters merged."""
+    """``convert mcore-to-hf`` of the LoRA checkpoint: streamed with the adapters merged, and
+    with ``--peft`` the adapters alone."""
     info = read_checkpoint_info(work / "ckpt_tp2")
     export_hf(info, work / "hf_merged", layout_groups((1, 1), info.arch.shape), 2**20)
+    mcore_to_peft(info, work / "peft_from_checkpoint", layout_groups((1, 1), info.arch.shape))
     if dist.get_rank() == 0:
         torch.save({"tokens": tokens, "logits": logits}, work / "hf_merged_logits.pt")
     dist.barrier()

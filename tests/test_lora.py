@@ -109,14 +109,17 @@ def test_mcore_to_hf_of_a_lora_checkpoint_merges_the_adapters(lora):
         assert (base(saved["tokens"]).logits - saved["logits"]).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("model", ["qwen2_policy", "llama_policy"])
-def test_peft_export_loads_in_peft_with_our_logits(lora, model):
+@pytest.mark.parametrize("model,source", [("qwen2_policy", "model"), ("llama_policy", "model"),
+                                          ("qwen2_policy", "checkpoint")])
+def test_peft_export_loads_in_peft_with_our_logits(lora, model, source):
+    """From a live TP2(+SP) model, and from its TP2 checkpoint (``convert mcore-to-hf --peft``)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     _, work, root = lora
-    folder = work / f"peft_{model}"
-    saved = torch.load(folder / "megatron_logits.pt")
+    folder = work / (f"peft_{model}" if source == "model" else "peft_from_checkpoint")
+    saved = torch.load(folder / "megatron_logits.pt" if source == "model"
+                       else work / "hf_merged_logits.pt")
     hf = AutoModelForCausalLM.from_pretrained(root / model).eval()
     with torch.no_grad():
         base = hf(saved["tokens"]).logits
