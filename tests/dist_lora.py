@@ -208,9 +208,10 @@ def trained_adapters(root: Path, layout, distopt: bool, steps: range, resume: Pa
 
 def resume_exactly(root: Path, work: Path, results: dict) -> None:
     """Save after 2 of 4 steps, resume, finish: the adapters equal the uninterrupted run's."""
-    # Not with the distributed optimizer: resuming one (LoRA or not) trips megatron-core 0.16.1's
-    # `assert len(steps) == 1` in DistributedOptimizer.state_dict on CPU (no apex/TE), as the
-    # fresh optimizer has no state yet.
+    # Not with the distributed optimizer: resuming LoRA into one trips megatron-core 0.16.1's
+    # `assert len(steps) == 1` in DistributedOptimizer.state_dict on CPU (no apex/TE: the step
+    # is read from the optimizer's state, which a fresh optimizer does not have yet). Whether a
+    # full model's resume does the same was not checked.
     for label, layout, distopt in (("tp2", (2, 1), False), ("dp2", (1, 1), False)):
         out = work / f"train_{label}"
         straight = trained_adapters(root, layout, distopt, range(4), save_at=1, out=out)
