@@ -301,6 +301,13 @@ def refusals(root: Path, results: dict) -> None:
             results[f"refused/{label}"] = "accepted"
         except UserError as err:
             results[f"refused/{label}"] = str(err)
+    model, _, _ = from_hf(root / "qwen2_policy", (1, 1))
+    apply_lora(model, SPEC)
+    try:
+        apply_lora(model, SPEC)
+        results["refused/twice"] = "accepted"
+    except UserError as err:
+        results["refused/twice"] = str(err)
     model, _, _ = from_hf(root / "qwen3_moe_rm", (1, 1))
     try:
         apply_lora(model, LoRASpec(rank=2))

@@ -135,6 +135,7 @@ def test_peft_export_loads_in_peft_with_our_logits(lora, model, source):
     ("mla_target", ("linear_kv_up_proj", "multi-latent attention", "linear_qkv")),
     ("unknown_target", ("'q_proj'", "linear_qkv, linear_fc1, linear_proj, linear_fc2")),
     ("moe_experts", ("MoE experts", "linear_fc1")),
+    ("twice", ("already carries LoRA adapters",)),
 ])
 def test_bad_settings_are_refused_with_one_clear_error(lora, case, words):
     message = lora[0][f"refused/{case}"]

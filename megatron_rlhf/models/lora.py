@@ -246,6 +246,9 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
     check_spec(spec)
     if spec.rank == 0:
         return []
+    if any(True for _ in adapters(model)):
+        raise UserError("this model already carries LoRA adapters (merge them first: "
+                        "merge_adapters)")
     found = []
     for index, layer in enumerate(model.decoder.layers):
         for path, base, column in list(_targets(layer, spec)):
