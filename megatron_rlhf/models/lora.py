@@ -274,6 +274,18 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
     return [name for name, *_ in found]
 
 
+def adapter_delta(adapter: LoRAAdapter) -> torch.Tensor:
+    """``(alpha/rank) * B @ A`` of this rank's pieces, fp32, shaped like the base's local weight
+    (a column-parallel base's local rows, a row-parallel one's local columns)."""
+    return adapter.scale * (adapter.lora_b.detach().float() @ adapter.lora_a.detach().float())
+
+
+def merged_weight(weight: torch.Tensor, adapter: LoRAAdapter) -> torch.Tensor:
+    """A new tensor ``W + (alpha/rank) * B @ A`` (summed in fp32, rounded once to ``W``'s
+    dtype) of this rank's piece of the base weight; ``weight`` itself is left as it is."""
+    return (weight.detach().float() + adapter_delta(adapter)).to(weight.dtype)
+
+
 @torch.no_grad()
 def merge_adapters(model) -> int:
     """Fold every adapter into its base weight, ``W += (alpha/rank) * B @ A`` on this rank's
@@ -285,8 +297,7 @@ def merge_adapters(model) -> int:
         adapter = getattr(module, "adapter", None)
         if not isinstance(adapter, LoRAAdapter):
             continue
-        delta = adapter.scale * (adapter.lora_b.float() @ adapter.lora_a.float())
-        module.weight.add_(delta.to(module.weight.dtype))
+        module.weight.add_(adapter_delta(adapter).to(module.weight.dtype))
         adapter.hook.remove()
         del module.adapter
         del module.sharded_state_dict  # the class's own again
