@@ -33,6 +33,7 @@ from megatron_rlhf.models.lora import (  # noqa: E402
     LoRASpec, adapters, adapters_disabled, apply_lora)
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
+from tests.dist_lora_ppo import ppo_with_lora  # noqa: E402
 from tests.dist_parity import from_hf, layout_groups, logits_of, max_over_world  # noqa: E402
 
 SPEC = LoRASpec(rank=4, alpha=8.0, seed=3)
@@ -331,6 +332,7 @@ def main() -> None:
                 "value": lambda: value_model_head_trains(root, results),
                 "dropout": lambda: dropout_runs(root, results),
                 "sft": lambda: sft_with_lora(sft, work, results),
+                "ppo": lambda: ppo_with_lora(sft, work, results),
                 "refusals": lambda: refusals(root, results)}
     for section, run in sections.items():
         started = time.perf_counter()

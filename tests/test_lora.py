@@ -197,8 +197,40 @@ def test_settings_are_checked_at_start_up(job, key):
         _load(job, [f"{key}.rank=4", f"{key}.dropout=1.5"])
 
 
-@pytest.mark.parametrize("key", ["actor.lora", "critic.lora"])
-def test_ppo_refuses_adapters_until_its_workers_run_them(key):
-    with pytest.raises(UserError, match=f"{key}.rank=4: LoRA training is not wired into "
-                                        "`megatron-rlhf ppo`"):
-        _load("ppo", [f"{key}.rank=4"])
+def test_ppo_takes_adapters_and_refuses_a_second_reference_with_them():
+    cfg = _load("ppo", ["actor.lora.rank=4", "critic.lora.rank=2"])
+    assert (cfg.actor.lora.rank, cfg.critic.lora.rank) == (4, 2)
+    with pytest.raises(UserError, match="actor.ref_model_path=/elsewhere with actor.lora.rank=4: "
+                                        "the reference policy is the actor's base"):
+        _load("ppo", ["actor.lora.rank=4", "actor.ref_model_path=/elsewhere"])
+    with pytest.raises(UserError, match="actor.ref_offload with actor.lora.rank=4"):
+        _load("ppo", ["actor.lora.rank=4", "actor.ref_offload.params=true"])
+    _load("ppo", ["actor.ref_model_path=/elsewhere"])  # without adapters: a second model, as before
+
+
+def test_ppo_worker_with_lora_references_its_base_and_feeds_the_engine_merged_weights(lora):
+    results = lora[0]
+    assert results["ppo/reference_is_the_actor"] == 1.0  # no second model built
+    assert results["ppo/actor/optimizer_holds_adapters_only"] == 1.0
+    assert results["ppo/critic/optimizer_holds_adapters_only"] == 1.0  # adapters + value head
+    assert results["ppo/start/logprob_abs_max"] > 1.0  # real log-probs were compared
+    assert results["ppo/start/actor_vs_reference"] == 0.0  # B = 0: the actor is its base, exactly
+    assert results["ppo/start/engine_vs_trainer"] < 1e-5
+    # After 3 updates the adapters moved the policy away from the base, the trainer's W stayed
+    # bitwise, and the engine (synced with W + alpha/r B A) scores like the trainer, not the base.
+    assert results["ppo/trained/actor_vs_reference"] > 0.1
+    assert results["ppo/trained/engine_vs_reference"] > 0.1
+    assert results["ppo/trained/engine_vs_trainer"] < 1e-5
+    assert results["ppo/base_bitwise_unchanged"] == 1.0
+
+
+def test_ppo_worker_with_lora_resumes_actor_and_critic_exactly(lora):
+    results = lora[0]
+    assert results["ppo/actor/checkpoint_lora_rank"] == 4.0
+    assert results["ppo/critic/checkpoint_lora_rank"] == 2.0
+    assert results["ppo/loaded_weights_are_the_saved"] == 1.0
+    assert results["ppo/resumed_steps_moved"] == 1.0  # the steps after the save changed weights
+    # The same two updates after loading (a mid-run reload, as a rollback does): same metrics,
+    # lr included (the critic's schedule decays), and bitwise the same adapters and head.
+    assert results["ppo/resume_metrics_equal"] == 1.0
+    assert results["ppo/resume_weights_bitwise"] == 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.config.schema import LoRAConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.lora import LoRASpec, check_spec
@@ -16,10 +17,25 @@ def lora_spec(prefix: str, settings: LoRAConfig, seed: int = 0) -> LoRASpec:
     return spec
 
 
-def refuse_untrained_lora(prefix: str, settings: LoRAConfig, job: str) -> None:
-    """Checks the settings, then refuses adapters in a job that does not run them yet (PPO: its
-    workers' weight sync to the rollout engine and its reference model do not know them)."""
-    if lora_spec(prefix, settings).rank:
-        raise UserError(f"config: {prefix}.rank={settings.rank}: LoRA training is not wired into "
-                        f"`megatron-rlhf {job}` yet (weight sync and the reference model); "
-                        "leave rank at 0")
+def check_ppo_lora(cfg: PPOConfig) -> None:
+    """``actor.lora`` and ``critic.lora`` checked; with actor adapters the reference policy is
+    the actor's own base (adapters off), so settings for a second reference model are refused."""
+    lora_spec("critic.lora", cfg.critic.lora)
+    a = cfg.actor
+    if not lora_spec("actor.lora", a.lora).rank:
+        return
+    if a.ref_model_path and a.ref_model_path != a.model_path:
+        raise UserError(f"config: actor.ref_model_path={a.ref_model_path} with actor.lora.rank="
+                        f"{a.lora.rank}: the reference policy is the actor's base (its adapters "
+                        "switched off), no second model is loaded; leave actor.ref_model_path "
+                        "unset (or train without LoRA)")
+    for index, agent in enumerate(cfg.agents):
+        if agent.reference_path and agent.reference_path != agent.model_path:
+            raise UserError(f"config: agents[{index}].reference_path with actor.lora.rank="
+                            f"{a.lora.rank}: each agent's reference is its own base (adapters "
+                            "off); leave reference_path unset")
+    off = a.ref_offload
+    if off.params or off.grads or off.optimizer:
+        raise UserError(f"config: actor.ref_offload with actor.lora.rank={a.lora.rank}: there is "
+                        "no separate reference model to offload (the reference is the actor's "
+                        "base, adapters off); use actor.offload")

@@ -62,13 +62,14 @@ class Trainable:
         return self.model.module
 
 
-def add_adapters(model, settings: LoRAConfig, seed: int, tag: str) -> dict:
-    """LoRA adapters on ``model`` as ``settings`` (a ``*.lora`` section) say, the rest frozen;
-    returns the checkpoint metadata that rebuilds them (empty when ``rank`` is 0: no change)."""
+def add_adapters(model, settings: LoRAConfig, seed: int, tag: str, key: str = "model.lora") -> dict:
+    """LoRA adapters on ``model`` as ``settings`` (the ``*.lora`` section at config ``key``) say,
+    the rest frozen; returns the checkpoint metadata that rebuilds them (empty when ``rank`` is
+    0: no change)."""
     from megatron_rlhf.config.lora import lora_spec
     from megatron_rlhf.models.lora import apply_lora
 
-    spec = lora_spec("model.lora", settings, seed)
+    spec = lora_spec(key, settings, seed)
     adapted = apply_lora(model, spec)
     if not adapted:
         return {}

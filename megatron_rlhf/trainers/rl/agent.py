@@ -40,7 +40,8 @@ from megatron_rlhf.trainers.loop import epoch_order
 from megatron_rlhf.trainers.rl.experience import (Experience, build_batch, engine_logprobs,
                                                    sample_kl, token_kl)
 from megatron_rlhf.trainers.rl.routing import recorded_routing
-from megatron_rlhf.trainers.rl.worker import PPOWorker, policy_is_moe
+from megatron_rlhf.trainers.rl.policy import policy_is_moe
+from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
 class Timer(dict):
