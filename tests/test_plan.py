@@ -129,3 +129,15 @@ def test_an_in_process_command_leaves_no_job_clock_behind(capsys):
     os.environ.pop(JOB_START_ENV, None)
     plan(capsys, "--model", MODELS / "qwen2.5-0.5b", "--gpus", 1)
     assert JOB_START_ENV not in os.environ
+
+
+def test_actor_lora_plans_no_reference_copy(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_rlhf.planning.command import _from_config
+
+    config = tmp_path / "ppo.yaml"
+    config.write_text("actor: {model_path: x}\nalgorithm: {use_kl_in_reward: true}\n")
+    assert _from_config(str(config), SimpleNamespace(gpus=8))[1].reference
+    config.write_text("actor: {model_path: x, lora: {rank: 8}}\nalgorithm: {use_kl_in_reward: true}\n")
+    assert not _from_config(str(config), SimpleNamespace(gpus=8))[1].reference

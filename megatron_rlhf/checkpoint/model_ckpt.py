@@ -27,6 +27,7 @@ from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.hf_config import ModelArch, arch_from_hf_config
+from megatron_rlhf.models.lora import LoRASpec, apply_lora, merge_adapters
 
 META_FILE = "megatron_rlhf.json"
 FORMAT_VERSION = 1
@@ -41,6 +42,7 @@ class CheckpointInfo:
     arch: ModelArch
     padded_vocab: int
     dtype: torch.dtype
+    lora: LoRASpec | None = None  # the adapters saved beside the base weights (LoRA training)
 
     @property
     def hf_dir(self) -> Path:
@@ -63,7 +65,8 @@ def read_checkpoint_info(ckpt_dir: str | os.PathLike) -> CheckpointInfo:
     if meta.get("format_version") != FORMAT_VERSION:
         raise UserError(f"{meta_path}: unsupported format_version {meta.get('format_version')}")
     arch = arch_from_hf_config(AutoConfig.from_pretrained(path / "hf", local_files_only=True))
-    return CheckpointInfo(path, arch, int(meta["padded_vocab"]), _DTYPES[meta["dtype"]])
+    lora = LoRASpec.from_dict(meta["lora"]) if meta.get("lora") else None
+    return CheckpointInfo(path, arch, int(meta["padded_vocab"]), _DTYPES[meta["dtype"]], lora)
 
 
 def check_writable(out_dir: str | os.PathLike) -> Path:
@@ -75,8 +78,10 @@ def check_writable(out_dir: str | os.PathLike) -> Path:
 
 def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
                           dtype: torch.dtype, hf_assets_dir: str | os.PathLike,
-                          sharded_strategy=None, verify=None) -> Path:
-    """Collectively save ``model`` (all ranks call this) atomically into ``out_dir``;
+                          sharded_strategy=None, verify=None,
+                          lora: LoRASpec | None = None) -> Path:
+    """Collectively save ``model`` (all ranks call this) atomically into ``out_dir``; ``lora``:
+    the spec of the adapters ``model`` carries (recorded, so loads rebuild them);
     ``sharded_strategy``: a ``dist_checkpointing`` save strategy (default: megatron's);
     ``verify(partial_folder)``: run by every rank once the shards are written, before the
     folder is marked complete (its error leaves ``OUT.partial`` as it is)."""
@@ -99,6 +104,8 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "kind": arch.kind, "family": arch.family,
                 "padded_vocab": padded_vocab, "dtype": dtype_name(dtype)}
+        if lora is not None and lora.rank:
+            meta["lora"] = lora.as_dict()
         (partial / META_FILE).write_text(json.dumps(meta, indent=2))
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -135,13 +142,20 @@ def read_sharded(wanted: dict, path: Path, whole: bool = True) -> dict:
 
 
 def load_model_checkpoint(info: CheckpointInfo, groups: ParallelGroups,
-                          dtype: torch.dtype | None = None, options=None):
+                          dtype: torch.dtype | None = None, options=None,
+                          keep_adapters: bool = False):
     """Build this rank's model stage under ``groups`` and fill it from the checkpoint, in
     ``dtype`` (a trainer's configured one) or else the dtype it was saved in; ``options``: the
-    trainer's :class:`~megatron_rlhf.models.megatron_config.ModelOptions`."""
+    trainer's :class:`~megatron_rlhf.models.megatron_config.ModelOptions`. A checkpoint with LoRA
+    adapters comes back with them merged into its weights (a plain model), or kept as adapters
+    on the frozen base with ``keep_adapters``."""
     model = build_model(info.arch, groups, dtype or info.dtype, info.padded_vocab, options)
+    if info.lora is not None:
+        apply_lora(model, info.lora)
     wanted = model.sharded_state_dict()
     state = read_sharded(wanted, info.path)
     # Training checkpoints also hold optimizer state; only the model's entries are wanted here.
     model.load_state_dict({key: state[key] for key in wanted})
+    if info.lora is not None and not keep_adapters:
+        merge_adapters(model)
     return model

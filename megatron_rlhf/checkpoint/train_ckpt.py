@@ -245,6 +245,9 @@ def load_train_checkpoint(path: str | os.PathLike, trainable,
     loaded = read_sharded(_sharded_state(trainable, loading=True), path)
     trainable.module.load_state_dict(loaded["model"])
     trainable.optimizer.load_state_dict(loaded["optimizer"])
+    # megatron-core's load_state_dict *adds* the saved step count (step(increment=saved)): a
+    # scheduler that already stepped (a rollback mid-run) would jump ahead without this reset.
+    trainable.scheduler.num_steps = 0
     trainable.scheduler.load_state_dict(state.pop("scheduler"))
     if rng is not None:
         _set_rng_state(rng)

@@ -177,4 +177,7 @@ def validate_training_config(config):
         if value not in allowed:
             raise UserError(f"config: {name}={value!r} must be one of {', '.join(allowed)}")
     check_parallel("parallel", config.parallel, config.model.moe)
+    from megatron_rlhf.config.lora import lora_spec
+
+    lora_spec("model.lora", config.model.lora)
     return config

@@ -9,6 +9,7 @@ from megatron_rlhf.algorithms.ppo import AGG_MODES, KL_ESTIMATORS
 from megatron_rlhf.algorithms.rollout_correction import MASK_LEVELS, TIS_LEVELS
 from megatron_rlhf.algorithms.sppo import PREFERENCES, TARGETS
 from megatron_rlhf.config.loader import check_optim, check_positive
+from megatron_rlhf.config.lora import check_ppo_lora
 from megatron_rlhf.config.parallel import check_parallel
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.config.sglang import check_sglang_settings
@@ -96,6 +97,7 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
     _choice("actor.router_replay", a.router_replay, ("none", "R2", "R3"))
     _check_offload(cfg)
     check_parallel("actor.parallel", a.parallel, a.moe)
+    check_ppo_lora(cfg)
     if cfg.critic.parallel is not None:
         check_parallel("critic.parallel", cfg.critic.parallel, cfg.critic.moe)
     logger_kinds(t.logger)  # one of, or a list of, console/tensorboard/wandb

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_rlhf.config.schema import MoEConfig, OptimConfig, ParallelConfig, TrainerConfig
+from megatron_rlhf.config.schema import (LoRAConfig, MoEConfig, OptimConfig, ParallelConfig,
+                                         TrainerConfig)
 
 
 @dataclass
@@ -203,6 +204,11 @@ class ActorConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts training settings (also used by the reference model's layout)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6, warmup_steps_ratio=0.0))
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters on the policy (``rank`` 0: off): only the adapters train; the reference
+    policy is the frozen base itself (adapters switched off, no second model: ``ref_model_path``
+    and ``ref_offload`` are refused); the rollout engine receives the merged weights
+    ``W + alpha/rank B A``. Give the adapters about 10x the full fine-tuning ``optim.lr``."""
     ppo_mini_batch_size: int = 64
     """Samples per optimizer step, global."""
     ppo_micro_batch_size_per_rank: int = 16
@@ -265,6 +271,9 @@ class CriticConfig:
     model_path: Optional[str] = None
     """Value model: HF LM / classifier / reward-model checkpoint; default the actor's start."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5, warmup_steps_ratio=0.0))
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters on the value model (``rank`` 0: off): the adapters and the value head
+    train, the rest is frozen."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings of the critic (and the reward model in its group)."""
     cliprange_value: float = 0.5

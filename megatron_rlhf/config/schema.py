@@ -27,6 +27,28 @@ class MoEConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on the model's linears: each targeted ``y = W x`` becomes
+    ``W x + (alpha / rank) * B A dropout(x)``, ``A`` ``[rank, in]``, ``B`` ``[out, rank]`` (zero at
+    the start), with ``W`` frozen: only adapters (and a value head) train."""
+
+    rank: int = 0
+    """Adapter rank ``r``; 0: no adapters, the whole model trains."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's term is multiplied by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training, in [0, 1)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    """megatron-core names of the linears to adapt: ``linear_qkv`` (fused q/k/v), ``linear_proj``
+    (attention output), ``linear_fc1`` (fused gate/up), ``linear_fc2`` (down). Multi-latent
+    attention's projections and MoE experts are not supported yet."""
+    init: str = "kaiming"
+    """``A``'s initialisation (PEFT's names): ``kaiming`` (uniform, bound ``1/sqrt(in)``) or
+    ``gaussian`` (std ``1/rank``)."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "???"
     """HF folder (``*ForCausalLM`` to start a reward model from an LM, or
@@ -34,6 +56,9 @@ class ModelConfig:
     dtype: str = "auto"
     """Parameter dtype: ``auto`` (float32 on CPU, bfloat16 on GPU), float32, bfloat16."""
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (``rank`` 0: off). Checkpoints keep adapters
+    beside the frozen base; loading one for another job, and ``convert mcore-to-hf``, merge them."""
 
 
 @dataclass

@@ -67,8 +67,10 @@ def hf_to_mcore(hf_dir: str, out_dir: str, layout: ParallelLayout = ParallelLayo
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30,
-                verify: bool = True) -> Path:
-    """Export a checkpoint to an HF folder (safetensors, config, tokenizer), streaming.
+                verify: bool = True, peft: bool = False) -> Path:
+    """Export a checkpoint to an HF folder (safetensors, config, tokenizer), streaming; LoRA
+    adapters are merged into the weights. ``peft``: write only a LoRA checkpoint's adapters, as
+    a PEFT adapter folder for the HF base model (:func:`mcore_to_peft`).
 
     All ranks call it and share the work; each holds one output shard at a time, never the model
     (see :mod:`megatron_rlhf.convert.streaming_export`).
@@ -77,4 +79,22 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, max_shard_bytes: int = 5 * 2**30,
     out = check_writable(out_dir)
     init_distributed()
     groups = build_parallel_groups(ParallelLayout(), info.arch.shape)
+    if peft:
+        return mcore_to_peft(info, out, groups)
     return export_hf(info, out, groups, max_shard_bytes, verify)
+
+
+def mcore_to_peft(info, out: Path, groups) -> Path:
+    """A LoRA checkpoint's adapters as a PEFT folder (``adapter_config.json``,
+    ``adapter_model.safetensors``); collective. Each rank loads the model with its adapters
+    (not streamed: the base's bytes are read too)."""
+    from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint
+    from megatron_rlhf.convert.peft import export_peft
+
+    if info.lora is None:
+        raise UserError(f"{info.path} holds no LoRA adapters (trained with model.lora.rank=0): "
+                        "export it without --peft")
+    model = load_model_checkpoint(info, groups, keep_adapters=True)
+    export_peft(model, info.arch, groups, info.padded_vocab, info.lora, out)
+    dist.barrier()
+    return out

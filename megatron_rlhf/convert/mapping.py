@@ -212,9 +212,12 @@ _NOT_WEIGHTS = ("local_tokens_per_expert",)
 
 
 def mapped_parameters(model):
-    """(name, tensor) for every Megatron weight the map covers, in a stable order."""
+    """(name, tensor) for every Megatron weight the map covers, in a stable order (LoRA adapters,
+    ``*.adapter.lora_[ab]``, have no HF counterpart of their own: exports merge them)."""
     for name, tensor in model.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
+            continue
+        if ".adapter.lora_" in name:
             continue
         if name.rsplit(".", 1)[-1] in _NOT_WEIGHTS:
             continue

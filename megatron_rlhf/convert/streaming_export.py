@@ -32,12 +32,23 @@ from megatron_rlhf.checkpoint.hf_io import copy_hf_assets, shard_file_name, writ
 from megatron_rlhf.convert.mapping import Rule, layer_offsets, mapped_parameters, rule_for
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.builder import build_meta_model, uses_transformer_engine
+from megatron_rlhf.models.lora import apply_lora
 
 
 def meta_model(info: CheckpointInfo, groups: ParallelGroups):
     """The checkpoint's model under ``groups`` (TP=PP=EP=1 for an export) with every parameter
-    and buffer on the meta device: its names, shapes and sharded keys, without its bytes."""
-    return build_meta_model(info.arch, groups, info.dtype, info.padded_vocab)
+    and buffer on the meta device: its names, shapes and sharded keys, without its bytes; with
+    the checkpoint's LoRA adapters, if any."""
+    model = build_meta_model(info.arch, groups, info.dtype, info.padded_vocab)
+    if info.lora is not None:
+        apply_lora(model, info.lora)
+    return model
+
+
+def _adapter_keys(name: str) -> tuple[str, str]:
+    """The checkpoint entries of the LoRA adapter on Megatron weight ``name`` (A, B)."""
+    stem = name.removesuffix("weight")
+    return f"{stem}adapter.lora_a", f"{stem}adapter.lora_b"
 
 
 @dataclass(frozen=True)
@@ -152,19 +163,30 @@ def _loadable(entry):
     return _map(_without_prepended_axes, parts), _map(lambda part: part.local_shape, parts)
 
 
-def load_hf_tensors(sharded: dict, params: tuple[ParamExport, ...], path: Path) -> dict:
+def _full(loaded: dict, shapes: dict, sharded: dict, name: str) -> torch.Tensor:
+    full = _reshape(loaded.pop(name), shapes[name])
+    return sharded[name].merge_fn(full) if isinstance(full, (list, dict)) else full
+
+
+def load_hf_tensors(sharded: dict, params: tuple[ParamExport, ...], path: Path,
+                    lora_scale: float = 0.0) -> dict:
     """Load ``params`` from the checkpoint and return their HF tensors in plan order; collective
-    (every rank calls it once per round, with an empty ``params`` when it has nothing to do)."""
+    (every rank calls it once per round, with an empty ``params`` when it has nothing to do).
+    A weight with a LoRA adapter comes out merged: ``W + lora_scale * B @ A`` (in fp32)."""
     wanted, shapes = {}, {}
     for param in params:
-        wanted[param.name], shapes[param.name] = _loadable(sharded[param.name])
+        for name in (param.name, *_adapter_keys(param.name)):
+            if name in sharded:
+                wanted[name], shapes[name] = _loadable(sharded[name])
     loaded = read_sharded(wanted, path, whole=False)  # collective
     del wanted  # so that a tensor replaced by its split (QKV's copies) is freed at once
     tensors = {}
     for param in params:
-        full = _reshape(loaded.pop(param.name), shapes[param.name])
-        if isinstance(full, (list, dict)):
-            full = sharded[param.name].merge_fn(full)
+        full = _full(loaded, shapes, sharded, param.name)
+        a_key, b_key = _adapter_keys(param.name)
+        if a_key in loaded:
+            a, b = _full(loaded, shapes, sharded, a_key), _full(loaded, shapes, sharded, b_key)
+            full = (full.float() + lora_scale * (b.float() @ a.float())).to(full.dtype)
         pieces = param.rule.split(full)
         del full
         tensors.update(zip((name for name, _ in param.hf), pieces))
@@ -222,7 +244,8 @@ def export_hf(info: CheckpointInfo, out: Path, groups: ParallelGroups,
     found = None
     for index in tqdm(rounds, desc="Megatron -> HF", unit="shard", disable=rank != 0):
         params = plan.shards[index] if index is not None else ()
-        tensors = load_hf_tensors(sharded, params, info.path)
+        tensors = load_hf_tensors(sharded, params, info.path,
+                                  info.lora.scale if info.lora is not None else 0.0)
         if index is not None:
             write_shard(partial / plan.file_name(index), tensors)
             if verify and found is None:

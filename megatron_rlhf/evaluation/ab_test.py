@@ -240,7 +240,7 @@ def _engine(source: ModelSource, groups: ParallelGroups, tokenizer):
     from megatron_rlhf.data.chat import pad_id
     from megatron_rlhf.rollout.engines import make_generator
     from megatron_rlhf.rollout.weight_sync import WeightSync
-    from megatron_rlhf.trainers.rl.worker import load_policy
+    from megatron_rlhf.trainers.rl.policy import load_policy
 
     model, arch, hf_dir, padded = load_policy(str(source.path), groups, source.dtype)
     engine = make_generator(RolloutConfig(backend="hf", tp=1), str(hf_dir), source.dtype,

@@ -73,7 +73,8 @@ def _from_config(path: str, args):
                   distributed_optimizer=a.parallel.use_distributed_optimizer,
                   param_bytes=4 if a.dtype == "float32" else 2,
                   critic=uses_critic(c),
-                  reference=bool(c.algorithm.use_kl_in_reward or a.use_kl_loss),
+                  # with actor.lora the reference is the actor's own base: no second copy
+                  reference=bool(c.algorithm.use_kl_in_reward or a.use_kl_loss) and not a.lora.rank,
                   reward_model=bool(c.reward.model_path),
                   offload_during_rollout=a.offload.params,
                   rollout=Rollout(r.backend, r.tp, r.gpu_memory_utilization,

@@ -8,6 +8,10 @@ the tensors to Hugging Face names and, with PP > 1, packs them into one flat buf
 from the owner stage to the other stages. Every rank then hands the bucket's tensors to its own generator replica (which
 keeps its TP shard of them). Data-parallel replicas each feed their own generator, so nothing
 crosses DP groups. At any time a rank holds at most one extra bucket (plus its gathered shards).
+
+A LoRA-adapted weight goes out merged: each rank first computes ``W + (alpha/rank) B A`` of its
+own pieces (a new tensor; the trainer's ``W`` is not touched), then gathers and sends that as it
+would the plain weight, so every engine (hf, SGLang, a separate rollout group) gets a plain model.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from megatron_rlhf.convert.mapping import (REPLICATED, ROWS, layer_offsets, mapp
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.builder import uses_transformer_engine
 from megatron_rlhf.models.hf_config import ModelArch
+from megatron_rlhf.models.lora import adapters, merged_weight
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class WeightSync:
         self._experts_per_rank = arch.moe.num_experts // groups.layout.ep if arch.moe else 0
         # Optimizer steps update these tensors in place, so the map stays valid across syncs.
         self._params = dict(mapped_parameters(model))
+        self._adapters = {f"{name}.weight": adapter for name, adapter in adapters(model)}
         mine = [self._entry(name, param) for name, param in self._params.items()]
         stages: list[list[Entry]] = [None] * groups.layout.pp
         dist.all_gather_object(stages, mine, group=groups.pp)
@@ -129,6 +135,8 @@ class WeightSync:
         named = []
         for entry in bucket:
             local = self._params[entry.name].detach()
+            if entry.name in self._adapters:
+                local = merged_weight(local, self._adapters[entry.name])
             rule = self._rule(entry.name, 0)
             if entry.expert:
                 group, size = self.groups.etp, self.groups.layout.etp

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config.schema import OptimConfig
+from megatron_rlhf.config.schema import LoRAConfig, OptimConfig
 from megatron_rlhf.data.packing import pad_to_common_shape
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, platform_is_cpu
@@ -60,6 +60,25 @@ class Trainable:
     @property
     def module(self):
         return self.model.module
+
+
+def add_adapters(model, settings: LoRAConfig, seed: int, tag: str, key: str = "model.lora") -> dict:
+    """LoRA adapters on ``model`` as ``settings`` (the ``*.lora`` section at config ``key``) say,
+    the rest frozen; returns the checkpoint metadata that rebuilds them (empty when ``rank`` is
+    0: no change)."""
+    from megatron_rlhf.config.lora import lora_spec
+    from megatron_rlhf.models.lora import apply_lora
+
+    spec = lora_spec(key, settings, seed)
+    adapted = apply_lora(model, spec)
+    if not adapted:
+        return {}
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[{tag}] LoRA rank {spec.rank} on {len(adapted)} linears of this stage: "
+              f"{trainable:,} trainable parameters of {total:,} on rank 0", flush=True)
+    return {"lora": spec.as_dict()}
 
 
 def make_trainable(model, groups: ParallelGroups, optim: OptimConfig, total_steps: int,

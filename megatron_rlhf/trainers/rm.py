@@ -25,8 +25,8 @@ from megatron_rlhf.distributed.launch import discover_rank, init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, build_parallel_groups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
-from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
-                                          training_dtype)
+from megatron_rlhf.trainers.engine import (add_adapters, make_trainable, packing_supported,
+                                          reduce_metrics, training_dtype)
 from megatron_rlhf.trainers.loop import Run, epoch_order, run_job
 from megatron_rlhf.trainers.rl.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
@@ -158,10 +158,12 @@ def setup(config: RMConfig) -> Run:
         total = min(total, config.trainer.max_steps)
     model = build_value_model(source, groups, training_dtype(config.model.dtype),
                               config.trainer.seed, model_options(config.parallel, config.model.moe))
+    lora = add_adapters(model, config.model.lora, config.trainer.seed, "train-rm")
     trainable = make_trainable(model, groups, config.optim, total,
                                config.parallel.use_distributed_optimizer)
     hf_config, export_tokenizer = reward_model_hf_config(source, tokenizer)
-    meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab}
+    meta = {"kind": "value", "family": source.arch.family, "padded_vocab": source.padded_vocab,
+            **lora}
     checkpoints = CheckpointWriter(Path(config.trainer.output_dir) / "checkpoints", trainable,
                                    meta, hf_config, export_tokenizer, config.trainer.keep_last_n,
                                    config.trainer.async_save)

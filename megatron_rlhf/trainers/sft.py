@@ -30,8 +30,8 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward, token_cross_entropy
 from megatron_rlhf.models.hf_config import padded_vocab_size
-from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
-                                          training_dtype)
+from megatron_rlhf.trainers.engine import (add_adapters, make_trainable, packing_supported,
+                                          reduce_metrics, training_dtype)
 from megatron_rlhf.trainers.loop import Run, epoch_order, run_job
 
 METRIC_KEYS = ["loss", "target_tokens", "count", "tokens"]
@@ -149,10 +149,11 @@ def setup(config: SFTConfig) -> Run:
     else:
         model = build_model(arch, groups, dtype, padded, options)
         load_hf_weights(model, HFReader(hf_dir), arch, groups, padded, progress=False)
+    lora = add_adapters(model, config.model.lora, config.trainer.seed, "sft")
     trainable = make_trainable(model, groups, config.optim, total,
                                config.parallel.use_distributed_optimizer)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    meta = {"kind": "policy", "family": arch.family, "padded_vocab": padded}
+    meta = {"kind": "policy", "family": arch.family, "padded_vocab": padded, **lora}
     checkpoints = CheckpointWriter(Path(config.trainer.output_dir) / "checkpoints", trainable,
                                    meta, hf_config, tokenizer, config.trainer.keep_last_n,
                                    config.trainer.async_save)

@@ -29,7 +29,7 @@ def setup_data(cfg: PPOConfig, rewards) -> RunData:
     from transformers import AutoTokenizer
 
     from megatron_rlhf.data.prompts import load_prompts
-    from megatron_rlhf.trainers.rl.worker import policy_files
+    from megatron_rlhf.trainers.rl.policy import policy_files
 
     arch, hf_dir = policy_files(cfg.actor.model_path)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)

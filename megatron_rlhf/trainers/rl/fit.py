@@ -18,7 +18,7 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.trainers.rl.placement import setup, shutdown
 from megatron_rlhf.trainers.rl.agent import Timer, close_step
 from megatron_rlhf.trainers.rl.routing import check_routing_replay
-from megatron_rlhf.trainers.rl.worker import policy_is_moe
+from megatron_rlhf.trainers.rl.policy import policy_is_moe
 from megatron_rlhf.trainers.rl.ahead import busy_fractions
 from megatron_rlhf.trainers.rl.run import RLRun, finish
 

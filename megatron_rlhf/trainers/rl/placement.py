@@ -92,7 +92,7 @@ def _check_agent(run: RLRun, c: PPOConfig, agent: AgentConfig, data):
     from megatron_rlhf.config.loader import batch_plan
     from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of
     from megatron_rlhf.config.ppo_checks import check_layout, critic_parallel
-    from megatron_rlhf.trainers.rl.worker import policy_files
+    from megatron_rlhf.trainers.rl.policy import policy_files
 
     key, arch = "actor.parallel", data.arch
     if not run.single:

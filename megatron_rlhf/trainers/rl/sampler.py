@@ -12,7 +12,8 @@ from megatron_rlhf.config.ppo_checks import reads_engine_logprobs
 from megatron_rlhf.data.prompts import Prompt
 from megatron_rlhf.rollout.base import Generation, SamplingParams
 from megatron_rlhf.rollout.engines import stitched
-from megatron_rlhf.trainers.rl.worker import PPOWorker, policy_is_moe
+from megatron_rlhf.trainers.rl.policy import policy_is_moe
+from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
 def reward_calls(texts: list[str], prompts: list[Prompt]) -> list[tuple]:

@@ -12,34 +12,27 @@ stage) return it, tagged with their DP rank, for the driver to stitch back toget
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 
 import torch
 
 from megatron_rlhf.algorithms.ppo import aggregate_denominator
 from megatron_rlhf.algorithms.sppo import win_rates
-from megatron_rlhf.checkpoint.model_ckpt import (META_FILE, load_model_checkpoint,
-                                                 read_checkpoint_info)
 from megatron_rlhf.config.loader import batch_plan
 from megatron_rlhf.config.parallel import model_options
 from megatron_rlhf.config.ppo_checks import (critic_epochs, critic_parallel, scoring_temperature,
                                            uses_critic,
                                            uses_reference)
 from megatron_rlhf.config.ppo_schema import PPOConfig
-from megatron_rlhf.checkpoint.hf_io import HFReader
-from megatron_rlhf.convert.checkpoints import read_hf_arch
-from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
-from megatron_rlhf.errors import UserError
-from megatron_rlhf.models.builder import build_model
 from megatron_rlhf.models.forward import pipeline_forward
-from megatron_rlhf.models.hf_config import padded_vocab_size
+from megatron_rlhf.models.lora import adapters_disabled
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
-from megatron_rlhf.trainers.engine import (make_trainable, packing_supported, reduce_metrics,
-                                          set_lr_scale, train_step, training_dtype)
+from megatron_rlhf.trainers.engine import (add_adapters, make_trainable, packing_supported,
+                                          reduce_metrics, set_lr_scale, train_step, training_dtype)
 from megatron_rlhf.trainers.offload import PARTS
 from megatron_rlhf.trainers.rl.experience import Experience
+from megatron_rlhf.trainers.rl.policy import load_policy, reference_policy
 from megatron_rlhf.trainers.rl.routing import own_routing, pass_mode, routing_replay
 from megatron_rlhf.trainers.rl.residency import Residency
 from megatron_rlhf.models.output_head import output_head
@@ -57,50 +50,11 @@ def dp_slice(count: int, dp: int, rank: int) -> slice:
     return slice(rank * count // dp, (rank + 1) * count // dp)
 
 
-def policy_files(path: str):
-    """(arch, HF folder with config and tokenizer) of ``actor.model_path``, without weights."""
-    from pathlib import Path
-
-    if (Path(path) / META_FILE).is_file():
-        info = read_checkpoint_info(path)
-        return info.arch, info.hf_dir
-    if not (Path(path) / "config.json").is_file():
-        raise UserError(f"actor.model_path: {path} is neither a megatron_rlhf checkpoint nor a "
-                        "Hugging Face model folder")
-    return read_hf_arch(path), Path(path)
-
-
-@lru_cache(maxsize=None)
-def policy_is_moe(path: str) -> bool:
-    """A mixture-of-experts policy: its engines record their routing (R3 replays it, and
-    ``moe/routing_agreement`` measures it every step)."""
-    return bool(path) and policy_files(path)[0].moe is not None
-
-
 class _SendOnly:
     """A trainer rank other than the bridge's sender: it runs the sync's gathers, sends nothing."""
 
     def send(self, buckets) -> int:
         return sum(1 for _ in buckets)
-
-
-def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype, options=None):
-    """(model, arch, hf_dir, padded vocab) from an HF causal LM or a megatron_rlhf checkpoint."""
-    from pathlib import Path
-
-    if (Path(path) / META_FILE).is_file():
-        info = read_checkpoint_info(path)
-        if info.arch.kind != "policy":
-            raise UserError(f"actor.model_path: {path} holds a {info.arch.kind} checkpoint")
-        return (load_model_checkpoint(info, groups, dtype, options), info.arch, info.hf_dir,
-                info.padded_vocab)
-    arch = read_hf_arch(path)
-    if arch.kind != "policy":
-        raise UserError(f"actor.model_path: {path} is a {arch.kind} model, not a causal LM")
-    padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
-    model = build_model(arch, groups, dtype, padded, options)
-    load_hf_weights(model, HFReader(path), arch, groups, padded, progress=False)
-    return model, arch, Path(path), padded
 
 
 def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = None,
@@ -183,22 +137,17 @@ class PPOWorker:
         options = replace(model_options(cfg.actor.parallel, cfg.actor.moe), moe_routing_replay=True)
         model, self.arch, self.hf_dir, self.padded = load_policy(cfg.actor.model_path, self.groups,
                                                                  self.dtype, options)
-        self.ref = None
+        self.lora = add_adapters(model, cfg.actor.lora, cfg.trainer.seed, "ppo actor",
+                                 "actor.lora")
+        self.ref = None  # with adapters: the actor's own model (run with them switched off)
         if uses_reference(cfg):
-            path = cfg.actor.ref_model_path or cfg.actor.model_path
-            self.ref, _, _, padded = load_policy(path, self.groups, self.dtype, options)
-            if padded != self.padded:
-                raise UserError(f"actor.ref_model_path: {path} has a vocabulary of {padded} (padded) "
-                                f"tokens, the policy {self.padded}; a reference must share the "
-                                "policy's tokenizer")
-            self.ref.eval()
-            for p in self.ref.parameters():
-                p.requires_grad_(False)
+            self.ref = reference_policy(cfg, model, self.padded, self.groups, self.dtype, options)
         self.actor = make_trainable(model, self.groups, cfg.actor.optim, total_updates,
                                     cfg.actor.parallel.use_distributed_optimizer)
         sp = cfg.actor.parallel.sequence_parallel
         self.replay = routing_replay(self.actor.module, self.arch, self.groups, sp)
-        self.ref_replay = None if self.ref is None else routing_replay(self.ref, self.arch, self.groups, sp)
+        self.ref_replay = (self.replay if self.ref is model else None if self.ref is None
+                           else routing_replay(self.ref, self.arch, self.groups, sp))
         self.tokenizer = AutoTokenizer.from_pretrained(self.hf_dir, local_files_only=True)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir, local_files_only=True)
         self.pad_id = pad_id(self.tokenizer)
@@ -220,6 +169,8 @@ class PPOWorker:
             source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path,
                                           self.groups.layout)
             model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed, options)
+            self.critic_lora = add_adapters(model, cfg.critic.lora, cfg.trainer.seed,
+                                            "ppo critic", "critic.lora")
             self.critic = make_trainable(model, self.groups, cfg.critic.optim, total_updates,
                                          parallel.use_distributed_optimizer)
             self.critic_meta = source
@@ -352,10 +303,15 @@ class PPOWorker:
             return self._forward(model, batch, score, hidden_states=True, replay=replay, which=which)
 
         self.own_routing = None
-        with self.residency.phase(actor=("params",) if old else (), ref=("params",) if ref else ()):
+        base = self.ref is self.actor.module  # LoRA: the reference is the actor, adapters off
+        with self.residency.phase(actor=("params",) if old or (ref and base) else (),
+                                  ref=("params",) if ref else ()):
             old = log_probs(self.actor.module, self.replay, "old") if old else None
-            ref = log_probs(self.ref, self.ref_replay, "ref") if ref else None
-        return self._output((old, ref, self.own_routing))
+            reference = None
+            if ref:
+                with adapters_disabled(self.ref):  # no adapters (a separate reference): no change
+                    reference = log_probs(self.ref, self.ref_replay, "ref")
+        return self._output((old, reference, self.own_routing))
 
     def _output_head(self, model):
         """The chunked output head of ``model`` (``actor.logprob_chunk_tokens``); None when full
@@ -488,7 +444,8 @@ class PPOWorker:
         writers = self.writers
         if role not in writers:
             if role == "actor":
-                meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded}
+                meta = {"kind": "policy", "family": self.arch.family, "padded_vocab": self.padded,
+                        **self.lora}
                 trainable, config, tokenizer = self.actor, self.hf_config, self.tokenizer
             else:
                 from transformers import AutoTokenizer
@@ -497,7 +454,7 @@ class PPOWorker:
 
                 source = self.critic_meta
                 meta = {"kind": "value", "family": source.arch.family,
-                        "padded_vocab": source.padded_vocab}
+                        "padded_vocab": source.padded_vocab, **self.critic_lora}
                 config, tokenizer = reward_model_hf_config(
                     source, AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True))
                 trainable = self.critic

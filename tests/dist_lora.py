@@ -1,0 +1,348 @@
+"""LoRA scenarios under torchrun (2 ranks), run once by tests/test_lora.py.
+
+Every layout trains the same adapters on the same batch for a few steps (a layout with data
+parallelism feeds each DP rank the same micro-batches, so DDP's mean is the single-rank
+gradient); rank 0 writes a JSON of ``scenario -> number`` the pytest side asserts on, and the
+trained policy's PEFT export plus its logits for the transformers/PEFT comparison.
+Usage: torchrun --nproc-per-node 2 tests/dist_lora.py MODELS_ROOT WORKDIR SFT_WORKSPACE OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rlhf.checkpoint.model_ckpt import (  # noqa: E402
+    load_model_checkpoint, read_checkpoint_info, save_model_checkpoint)
+from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
+from megatron_rlhf.convert.checkpoints import mcore_to_peft  # noqa: E402
+from megatron_rlhf.convert.peft import export_peft, gathered_adapters  # noqa: E402
+from megatron_rlhf.convert.streaming_export import export_hf  # noqa: E402
+from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
+from megatron_rlhf.errors import UserError  # noqa: E402
+from megatron_rlhf.models.forward import model_forward, token_cross_entropy  # noqa: E402
+from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
+from megatron_rlhf.models.lora import (  # noqa: E402
+    LoRASpec, adapters, adapters_disabled, apply_lora)
+from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
+from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
+from tests.dist_lora_ppo import ppo_with_lora  # noqa: E402
+from tests.dist_parity import from_hf, layout_groups, logits_of, max_over_world  # noqa: E402
+
+SPEC = LoRASpec(rank=4, alpha=8.0, seed=3)
+STEPS = 3
+# label -> (tp, pp), sequence parallel, distributed optimizer
+LAYOUTS = {"tp1": ((1, 1), False, False), "tp2": ((2, 1), False, False),
+           "tp2sp": ((2, 1), True, False), "pp2": ((1, 2), False, False),
+           "tp1_distopt": ((1, 1), False, True)}
+EXPORT = {"qwen2_policy": "tp2sp", "llama_policy": "tp2"}  # the layout whose adapters go to PEFT
+OPTIM = OptimConfig(lr=1e-2, warmup_steps_ratio=0.0, clip_grad=1.0, betas=[0.9, 0.99])
+
+
+def batches() -> list[dict]:
+    tokens = torch.randint(0, 250, (4, 13), generator=torch.Generator().manual_seed(7))
+    return [{"input_ids": tokens[i:i + 2, :-1], "targets": tokens[i:i + 2, 1:]} for i in (0, 2)]
+
+
+def mean_loss(vocab, groups):
+    def loss(logits, batch):
+        rows, length = logits.shape[:2]
+        per_token = token_cross_entropy(logits, batch["targets"][:rows, :length], vocab, groups)
+        return per_token.mean(), {"loss": per_token.mean().detach()}
+    return loss
+
+
+def expected_trainable(arch, tp: int, pp: int) -> int:
+    """This rank's adapter numbers by the formulas of the brief (not read from the model)."""
+    h, r, ffn = arch.hidden_size, SPEC.rank, arch.ffn_hidden_size
+    qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
+    per_layer = (r * h + qkv // tp * r) + (r * h // tp + h * r) \
+        + (r * h + 2 * ffn // tp * r) + (r * ffn // tp + h * r)
+    return per_layer * arch.num_layers // pp
+
+
+def optimizer_numel(trainable, distributed: bool) -> int:
+    """Elements the optimizer updates (summed over DP ranks when it shards them)."""
+    numel = torch.tensor([sum(p.numel() for g in trainable.optimizer.param_groups
+                              for p in g["params"])], dtype=torch.float64)
+    if distributed:
+        dist.all_reduce(numel, group=trainable.groups.dp)
+    return int(numel.item())
+
+
+def adapter_ids(model) -> set[int]:
+    return {id(p) for _, a in adapters(model) for p in (a.lora_a, a.lora_b)}
+
+
+def run_layout(root: Path, name: str, label: str, results: dict, reference: dict) -> None:
+    (tp, pp), sp, distopt = LAYOUTS[label]
+    model, groups, arch = from_hf(root / name, (tp, pp), options=ModelOptions(sequence_parallel=sp))
+    padded = padded_vocab_size(arch.vocab_size, tp)
+    tokens = batches()[0]["input_ids"]
+    base = logits_of(model, groups, tokens, arch.vocab_size)
+    apply_lora(model, SPEC)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    key = f"{name}/{label}"
+    step0 = logits_of(model, groups, tokens, arch.vocab_size)
+    results[f"{key}/step0_vs_base"] = max_over_world(
+        None if base is None else (step0 - base).abs().max().item())
+    trainable = make_trainable(model, groups, OPTIM, STEPS, distributed_optimizer=distopt)
+    buffered = {id(p) for buf in trainable.model.buffers for p in buf.params}
+    results[f"{key}/ddp_params_are_adapters"] = float(buffered == adapter_ids(model))
+    results[f"{key}/optimizer_numel_minus_expected"] = float(
+        optimizer_numel(trainable, distopt) - expected_trainable(arch, tp, pp))
+    for _ in range(STEPS):
+        train_step(trainable, batches(), mean_loss(arch.vocab_size, groups))
+    unchanged = all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
+    flag = torch.tensor([float(unchanged)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    results[f"{key}/base_bitwise_unchanged"] = flag.item()
+    trained = {"logits": logits_of(model, groups, tokens, arch.vocab_size),
+               "weights": gathered_adapters(model, arch, groups, padded)}
+    if not distopt:  # the distributed optimizer leaves only each rank's gradient shard reduced
+        trained["grads"] = gathered_adapters(model, arch, groups, padded, field="main_grad")
+    with adapters_disabled(model):
+        off = logits_of(model, groups, tokens, arch.vocab_size)
+    results[f"{key}/disabled_vs_base"] = max_over_world(
+        None if base is None else (off - base).abs().max().item())
+    compare(key, trained, reference, results)
+    if EXPORT.get(name) == label:
+        export_trained(root, name, model, groups, arch, padded, trained["logits"], tokens)
+    if name == "qwen2_policy" and label == "tp2":
+        save_model_checkpoint(model, Path(sys.argv[2]) / "ckpt_tp2", arch, padded, torch.float32,
+                              root / name, lora=SPEC)
+        reshard_checkpoint(Path(sys.argv[2]) / "ckpt_tp2", trained["logits"], tokens, results)
+        export_merged(Path(sys.argv[2]), trained["logits"], tokens)
+
+
+def compare(key: str, trained: dict, reference: dict, results: dict) -> None:
+    """Against the TP1 run's (kept in ``reference``); the TP1 run records itself."""
+    weights = trained["weights"]
+    results[f"{key}/max_abs_lora_B"] = max(v.abs().max().item() for k, v in weights.items()
+                                           if "lora_B" in k)
+    results[f"{key}/peft_tensors"] = float(len(weights))
+    if not reference:
+        reference.update(trained)
+        return
+    logits = trained["logits"]
+    results[f"{key}/logits_vs_tp1"] = max_over_world(
+        None if logits is None or reference["logits"] is None
+        else (logits - reference["logits"]).abs().max().item())
+    results[f"{key}/weights_vs_tp1"] = max((weights[k] - reference["weights"][k]).abs().max().item()
+                                           for k in reference["weights"])
+    if "grads" in trained:
+        results[f"{key}/grads_vs_tp1"] = max(
+            (trained["grads"][k] - reference["grads"][k]).abs().max().item()
+            for k in reference["grads"])
+        results[f"{key}/max_abs_grad"] = max(v.abs().max().item()
+                                              for v in trained["grads"].values())
+
+
+def export_trained(root: Path, name: str, model, groups, arch, padded, logits, tokens) -> None:
+    out = Path(sys.argv[2]) / f"peft_{name}"  # WORKDIR
+    export_peft(model, arch, groups, padded, SPEC, out, base_model=str(root / name))
+    if logits is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
+        torch.save({"tokens": tokens, "logits": logits}, out / "megatron_logits.pt")
+    dist.barrier()
+
+
+def reshard_checkpoint(path: Path, logits: torch.Tensor, tokens, results: dict) -> None:
+    """The TP2-trained adapters saved with the base reload at TP1 and PP2: as adapters, and
+    merged into the weights (a plain model, what exports and later stages get)."""
+    info = read_checkpoint_info(path)
+    results["ckpt/lora_spec_recorded"] = float(info.lora == SPEC)
+    for label, layout in (("tp1", (1, 1)), ("pp2", (1, 2)), ("tp2", (2, 1))):
+        for keep in (True, False):
+            groups = layout_groups(layout, info.arch.shape)
+            model = load_model_checkpoint(info, groups, keep_adapters=keep)
+            got = logits_of(model, groups, tokens, info.arch.vocab_size)
+            kind = "adapters" if keep else "merged"
+            results[f"ckpt/tp2->{label}/{kind}"] = max_over_world(
+                None if got is None else (got - logits).abs().max().item())
+            if not keep:
+                plain = not any(True for _ in adapters(model)) and all(
+                    p.requires_grad for p in model.parameters())
+                results[f"ckpt/tp2->{label}/merged_is_plain"] = float(plain)
+
+
+def export_merged(work: Path, logits: torch.Tensor, tokens) -> None:
+    """``convert mcore-to-hf`` of the LoRA checkpoint: streamed with the adapters merged, and
+    with ``--peft`` the adapters alone."""
+    info = read_checkpoint_info(work / "ckpt_tp2")
+    export_hf(info, work / "hf_merged", layout_groups((1, 1), info.arch.shape), 2**20)
+    mcore_to_peft(info, work / "peft_from_checkpoint", layout_groups((1, 1), info.arch.shape))
+    if dist.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits}, work / "hf_merged_logits.pt")
+    dist.barrier()
+
+
+def trained_adapters(root: Path, layout, distopt: bool, steps: range, resume: Path | None = None,
+                     save_at: int | None = None, out: Path | None = None) -> dict:
+    """Adapters after ``steps`` (indexes into a 4-step schedule), saving a training checkpoint
+    after step ``save_at`` into ``out``, or first resuming from ``resume``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter, load_train_checkpoint
+
+    model, groups, arch = from_hf(root / "qwen2_policy", layout)
+    apply_lora(model, SPEC)
+    trainable = make_trainable(model, groups, OPTIM, 4, distributed_optimizer=distopt)
+    if resume is not None:
+        load_train_checkpoint(resume, trainable)
+    for step in steps:
+        train_step(trainable, batches(), mean_loss(arch.vocab_size, groups))
+        if step == save_at:
+            writer = CheckpointWriter(out, trainable, {"kind": "policy", "family": arch.family,
+                                                       "padded_vocab": 256, "lora": SPEC.as_dict()},
+                                      AutoConfig.from_pretrained(root / "qwen2_policy"),
+                                      AutoTokenizer.from_pretrained(root / "tokenizer"), 2)
+            writer.save(step + 1, {"step": step + 1})
+    return gathered_adapters(model, arch, groups, padded_vocab_size(arch.vocab_size, layout[0]))
+
+
+def resume_exactly(root: Path, work: Path, results: dict) -> None:
+    """Save after 2 of 4 steps, resume, finish: the adapters equal the uninterrupted run's."""
+    # Not with the distributed optimizer: resuming LoRA into one trips megatron-core 0.16.1's
+    # `assert len(steps) == 1` in DistributedOptimizer.state_dict on CPU (no apex/TE: the step
+    # is read from the optimizer's state, which a fresh optimizer does not have yet). Whether a
+    # full model's resume does the same was not checked.
+    for label, layout, distopt in (("tp2", (2, 1), False), ("dp2", (1, 1), False)):
+        out = work / f"train_{label}"
+        straight = trained_adapters(root, layout, distopt, range(4), save_at=1, out=out)
+        resumed = trained_adapters(root, layout, distopt, range(2, 4), resume=out / "step_00000002")
+        results[f"resume/{label}"] = max((straight[k] - resumed[k]).abs().max().item()
+                                         for k in straight)
+
+
+def dropout_runs(root: Path, results: dict) -> None:
+    """Adapter dropout under TP2 and TP2+SP: active in training (two passes differ), off in
+    eval; the default RNG (replicated inputs' masks) stays in lockstep over the TP ranks."""
+    from dataclasses import replace
+
+    tokens = batches()[0]["input_ids"]
+    for label, sp in (("tp2", False), ("tp2sp", True)):
+        model, groups, arch = from_hf(root / "qwen2_policy", (2, 1),
+                                      options=ModelOptions(sequence_parallel=sp))
+        apply_lora(model, replace(SPEC, dropout=0.5))
+        with torch.no_grad():
+            for _, adapter in adapters(model):  # a non-zero B, so dropout shows in the output
+                adapter.lora_b.copy_(torch.randn(adapter.lora_b.shape,
+                                                 generator=torch.Generator().manual_seed(5)))
+        model.train()
+        first = model_forward(model, {"input_ids": tokens})
+        first.float().pow(2).mean().backward()  # the backward through the masks runs
+        with torch.no_grad():
+            second = model_forward(model, {"input_ids": tokens})
+        evaluated = logits_of(model, groups, tokens, arch.vocab_size)  # eval mode
+        again = logits_of(model, groups, tokens, arch.vocab_size)
+        with adapters_disabled(model):
+            base = logits_of(model, groups, tokens, arch.vocab_size)
+        state = torch.random.get_rng_state()
+        states = [torch.zeros_like(state) for _ in range(2)]
+        dist.all_gather(states, state)
+        results[f"dropout/{label}/train_passes_differ"] = (first - second).abs().max().item()
+        results[f"dropout/{label}/eval_repeats"] = (evaluated - again).abs().max().item()
+        results[f"dropout/{label}/eval_vs_base"] = (evaluated - base).abs().max().item()
+        results[f"dropout/{label}/a_grads_finite"] = float(all(
+            torch.isfinite(a.lora_a.grad).all().item() for _, a in adapters(model)))
+        results[f"dropout/{label}/rng_lockstep"] = float(torch.equal(states[0], states[1]))
+
+
+def value_model_head_trains(root: Path, results: dict) -> None:
+    """On a reward/value model the scalar head trains beside the adapters."""
+    model, _, _ = from_hf(root / "qwen2_rm", (2, 1))
+    apply_lora(model, SPEC)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    expected = {f"{name}.adapter.lora_{x}" for name, _ in adapters(model) for x in "ab"}
+    results["value/trainable_are_adapters_and_head"] = float(
+        trained == expected | {"output_layer.weight"})
+
+
+def sft_with_lora(workspace: Path, work: Path, results: dict) -> None:
+    """`megatron-rlhf sft` with model.lora at TP2, in this world: it learns, and its checkpoint
+    carries the adapters."""
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.schema import SFTConfig
+    from megatron_rlhf.trainers.sft import train_sft
+    from tests.dist_parity import release_groups
+
+    release_groups()
+    out = work / "sft_lora"
+    config = load_config(SFTConfig, str(Path(__file__).parents[1] / "configs/sft/tiny_cpu.yaml"), [
+        f"model.path={workspace / 'base'}",
+        f"data.train_files=[{workspace / 'data/sft_train.parquet'}]",
+        "data.val_files=[]", f"trainer.output_dir={out}", "data.train_batch_size=16",
+        "data.micro_batch_size_per_rank=8", "trainer.max_steps=6", "trainer.logger=console",
+        "trainer.log_every_steps=1", "optim.lr=1e-2", "model.lora.rank=8", "parallel.tp=2"])
+    train_sft(config)
+    if dist.get_rank() == 0:
+        losses = [json.loads(line)["train/loss"]
+                  for line in (out / "metrics.jsonl").read_text().splitlines()]
+        results["sft/first_loss"], results["sft/last_loss"] = losses[0], losses[-1]
+        results["sft/checkpoint_lora_rank"] = float(
+            read_checkpoint_info(out / "checkpoints/step_00000006").lora.rank)
+
+
+def refusals(root: Path, results: dict) -> None:
+    """Each bad setting raises one UserError naming the problem (on every rank)."""
+    cases = {"rank_wider_than_layer": LoRASpec(rank=65),
+             "mla_target": LoRASpec(rank=2, target_modules=("linear_kv_up_proj",)),
+             "unknown_target": LoRASpec(rank=2, target_modules=("q_proj",))}
+    for label, spec in cases.items():
+        model, _, _ = from_hf(root / "qwen2_policy", (2, 1))
+        try:
+            apply_lora(model, spec)
+            results[f"refused/{label}"] = "accepted"
+        except UserError as err:
+            results[f"refused/{label}"] = str(err)
+    model, _, _ = from_hf(root / "qwen2_policy", (1, 1))
+    apply_lora(model, SPEC)
+    try:
+        apply_lora(model, SPEC)
+        results["refused/twice"] = "accepted"
+    except UserError as err:
+        results["refused/twice"] = str(err)
+    model, _, _ = from_hf(root / "qwen3_moe_rm", (1, 1))
+    try:
+        apply_lora(model, LoRASpec(rank=2))
+        results["refused/moe_experts"] = "accepted"
+    except UserError as err:
+        results["refused/moe_experts"] = str(err)
+
+
+def main() -> None:
+    root, work, sft, out = (Path(arg) for arg in sys.argv[1:5])
+    init_distributed()
+    results: dict = {}
+
+    def layouts():
+        for name in ("qwen2_policy", "llama_policy"):
+            reference: dict = {}
+            for label in LAYOUTS if name == "qwen2_policy" else ("tp1", "tp2"):
+                run_layout(root, name, label, results, reference)
+
+    sections = {"layouts": layouts, "resume": lambda: resume_exactly(root, work, results),
+                "value": lambda: value_model_head_trains(root, results),
+                "dropout": lambda: dropout_runs(root, results),
+                "sft": lambda: sft_with_lora(sft, work, results),
+                "ppo": lambda: ppo_with_lora(sft, work, results),
+                "refusals": lambda: refusals(root, results)}
+    for section, run in sections.items():
+        started = time.perf_counter()
+        run()
+        results[f"seconds/{section}"] = round(time.perf_counter() - started, 1)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

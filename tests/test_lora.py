@@ -1,0 +1,236 @@
+"""LoRA on Megatron (issue 36): adapters under TP1/TP2/TP2+SP/PP2 and the distributed optimizer
+(one 2-rank torchrun of tests/dist_lora.py, ~1 minute), their checkpoints resharded and merged,
+their PEFT export against transformers + PEFT, and the settings' refusals."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlhf.errors import UserError
+from megatron_rlhf.models.lora import LoRASpec, check_spec, initial_a
+from tests.torchrun import torchrun_results
+
+SCRIPT = Path(__file__).with_name("dist_lora.py")
+QWEN2 = ("tp1", "tp2", "tp2sp", "pp2", "tp1_distopt")
+RUNS = [("qwen2_policy", label) for label in QWEN2] + [("llama_policy", "tp1"),
+                                                       ("llama_policy", "tp2")]
+PARITY = [run for run in RUNS if run[1] != "tp1"]
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_models, tmp_path_factory):
+    from tests.tiny_models import build_task_workspace
+
+    work = tmp_path_factory.mktemp("lora")
+    root = next(iter(tiny_models.values())).parent
+    sft = build_task_workspace(work / "sft_workspace", train=64, val=8, seed=5)
+    return torchrun_results(SCRIPT, 2, root, work, sft, out=work / "results.json"), work, root
+
+
+@pytest.mark.parametrize("model,layout", RUNS)
+def test_zero_b_starts_as_the_base_exactly(lora, model, layout):
+    assert lora[0][f"{model}/{layout}/step0_vs_base"] == 0.0
+
+
+@pytest.mark.parametrize("model,layout", RUNS)
+def test_only_adapters_are_trained_and_the_base_stays_bitwise(lora, model, layout):
+    results = lora[0]
+    key = f"{model}/{layout}"
+    assert results[f"{key}/ddp_params_are_adapters"] == 1.0  # DDP's grad buffers hold adapters only
+    # Optimizer elements == rank x (in + out) of each adapted linear's local pieces, per layer.
+    assert results[f"{key}/optimizer_numel_minus_expected"] == 0.0
+    assert results[f"{key}/base_bitwise_unchanged"] == 1.0
+    assert results[f"{key}/max_abs_lora_B"] > 1e-3  # training moved the adapters
+    # With the adapters switched off after training the model is its base again, exactly.
+    assert results[f"{key}/disabled_vs_base"] == 0.0
+
+
+@pytest.mark.parametrize("model,layout", PARITY)
+def test_trained_adapters_match_tp1(lora, model, layout):
+    results = lora[0]
+    key = f"{model}/{layout}"
+    assert 0 <= results[f"{key}/logits_vs_tp1"] < 1e-5
+    # Adam's first steps normalise each element's gradient (update ~ lr * sign), so the weights'
+    # agreement is looser than the gradients' (observed 1.4e-5 at lr 1e-2 after 3 steps).
+    assert 0 <= results[f"{key}/weights_vs_tp1"] < 1e-4
+    if layout != "tp1_distopt":
+        assert 0 <= results[f"{key}/grads_vs_tp1"] < 1e-5
+        assert results[f"{key}/max_abs_grad"] > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_training_resumes_exactly_from_a_lora_checkpoint(lora, layout):
+    # 4 steps straight vs 2 steps, a training checkpoint (model, optimizer, schedule, RNG), 2 more.
+    assert lora[0][f"resume/{layout}"] == 0.0
+
+
+@pytest.mark.parametrize("layout", ["tp1", "pp2", "tp2"])
+def test_tp2_checkpoint_with_adapters_reloads_at_any_layout(lora, layout):
+    results = lora[0]
+    assert results["ckpt/lora_spec_recorded"] == 1.0
+    # B split along rows (fused QKV, fc1's gate/up halves) and A along columns reshard exactly.
+    assert 0 <= results[f"ckpt/tp2->{layout}/adapters"] < 1e-5
+    # Merged into the weights: a plain model (no adapters, all trainable) with the same logits.
+    assert 0 <= results[f"ckpt/tp2->{layout}/merged"] < 1e-5
+    assert results[f"ckpt/tp2->{layout}/merged_is_plain"] == 1.0
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp"])
+def test_adapter_dropout_trains_and_is_off_in_eval(lora, layout):
+    results = lora[0]
+    key = f"dropout/{layout}"
+    assert results[f"{key}/train_passes_differ"] > 1e-2
+    assert results[f"{key}/eval_repeats"] == 0.0 and results[f"{key}/eval_vs_base"] > 1e-2
+    assert results[f"{key}/a_grads_finite"] == 1.0
+    # Replicated inputs draw their masks from the default RNG: the same on every TP rank.
+    assert results[f"{key}/rng_lockstep"] == 1.0
+
+
+def test_value_model_trains_its_head_beside_the_adapters(lora):
+    assert lora[0]["value/trainable_are_adapters_and_head"] == 1.0
+
+
+def test_sft_trains_adapters_and_checkpoints_them(lora):
+    results = lora[0]
+    assert results["sft/last_loss"] < results["sft/first_loss"] - 0.2
+    assert results["sft/checkpoint_lora_rank"] == 8
+
+
+def test_mcore_to_hf_of_a_lora_checkpoint_merges_the_adapters(lora):
+    from transformers import AutoModelForCausalLM
+
+    _, work, root = lora
+    saved = torch.load(work / "hf_merged_logits.pt")
+    merged = AutoModelForCausalLM.from_pretrained(work / "hf_merged").eval()
+    base = AutoModelForCausalLM.from_pretrained(root / "qwen2_policy").eval()
+    with torch.no_grad():
+        assert (merged(saved["tokens"]).logits - saved["logits"]).abs().max().item() < 1e-5
+        assert (base(saved["tokens"]).logits - saved["logits"]).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("model,source", [("qwen2_policy", "model"), ("llama_policy", "model"),
+                                          ("qwen2_policy", "checkpoint")])
+def test_peft_export_loads_in_peft_with_our_logits(lora, model, source):
+    """From a live TP2(+SP) model, and from its TP2 checkpoint (``convert mcore-to-hf --peft``)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, work, root = lora
+    folder = work / (f"peft_{model}" if source == "model" else "peft_from_checkpoint")
+    saved = torch.load(folder / "megatron_logits.pt" if source == "model"
+                       else work / "hf_merged_logits.pt")
+    hf = AutoModelForCausalLM.from_pretrained(root / model).eval()
+    with torch.no_grad():
+        base = hf(saved["tokens"]).logits
+        adapted = PeftModel.from_pretrained(hf, folder).eval()(saved["tokens"]).logits
+    assert (adapted - saved["logits"]).abs().max().item() < 1e-5
+    assert (base - saved["logits"]).abs().max().item() > 1e-2  # the adapters change the model
+    # q/k/v and gate/up each got their own adapter, 7 per layer, 4 layers, A and B each.
+    assert lora[0][f"{model}/tp1/peft_tensors"] == 56
+
+
+@pytest.mark.parametrize("case,words", [
+    ("rank_wider_than_layer", ("lora.rank 65", "width 64")),
+    ("mla_target", ("linear_kv_up_proj", "multi-latent attention", "linear_qkv")),
+    ("unknown_target", ("'q_proj'", "linear_qkv, linear_fc1, linear_proj, linear_fc2")),
+    ("moe_experts", ("MoE experts", "linear_fc1")),
+    ("twice", ("already carries LoRA adapters",)),
+])
+def test_bad_settings_are_refused_with_one_clear_error(lora, case, words):
+    message = lora[0][f"refused/{case}"]
+    assert message != "accepted"
+    assert all(word in message for word in words), message
+
+
+@pytest.mark.parametrize("spec,words", [
+    (LoRASpec(rank=-1), "rank must be >= 0"),
+    (LoRASpec(rank=4, target_modules=()), "target_modules is empty"),
+    (LoRASpec(rank=4, alpha=0.0), "alpha must be > 0"),
+    (LoRASpec(rank=4, dropout=1.0), "dropout must be in [0, 1)"),
+    (LoRASpec(rank=4, init="pissa"), "init must be one of kaiming, gaussian"),
+    (LoRASpec(rank=4, target_modules=("linear_q_proj",)), "multi-latent attention"),
+])
+def test_spec_checks(spec, words):
+    with pytest.raises(UserError, match=None) as err:
+        check_spec(spec, "actor.lora")
+    assert words in str(err.value) and "actor.lora" in str(err.value)
+
+
+def test_rank_zero_is_off_and_valid_whatever_the_rest():
+    check_spec(LoRASpec(rank=0, target_modules=("nonsense",)))
+
+
+def test_initial_a_is_seeded_by_name_and_follows_peft_inits():
+    spec = LoRASpec(rank=8, seed=1)
+    a = initial_a(spec, "layers.0.self_attention.linear_qkv", 256)
+    assert torch.equal(a, initial_a(spec, "layers.0.self_attention.linear_qkv", 256))
+    assert not torch.equal(a, initial_a(spec, "layers.1.self_attention.linear_qkv", 256))
+    # PEFT's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    assert a.shape == (8, 256) and a.abs().max() <= 1 / 16 and a.abs().max() > 0.9 / 16
+    gauss = initial_a(LoRASpec(rank=8, init="gaussian"), "x", 4096)
+    assert abs(gauss.std().item() - 1 / 8) < 0.005
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _load(job: str, overrides: list[str]):
+    from megatron_rlhf.config.loader import load_config, validate_rm_config, validate_sft_config
+    from megatron_rlhf.config.ppo_checks import validate_ppo_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+    from megatron_rlhf.config.schema import RMConfig, SFTConfig
+
+    schema, validate = {"sft": (SFTConfig, validate_sft_config),
+                        "rm": (RMConfig, validate_rm_config),
+                        "ppo": (PPOConfig, validate_ppo_config)}[job]
+    return validate(load_config(schema, str(CONFIGS / job / "tiny_cpu.yaml"), overrides))
+
+
+@pytest.mark.parametrize("job,key", [("sft", "model.lora"), ("rm", "model.lora"),
+                                     ("ppo", "actor.lora"), ("ppo", "critic.lora")])
+def test_settings_are_checked_at_start_up(job, key):
+    _load(job, [])  # rank 0 (the default): nothing changes
+    with pytest.raises(UserError, match=f"{key}.target_modules: unknown module 'q_proj'"):
+        _load(job, [f"{key}.rank=4", f"{key}.target_modules=[q_proj]"])
+    with pytest.raises(UserError, match=f"{key}.dropout must be in"):
+        _load(job, [f"{key}.rank=4", f"{key}.dropout=1.5"])
+
+
+def test_ppo_takes_adapters_and_refuses_a_second_reference_with_them():
+    cfg = _load("ppo", ["actor.lora.rank=4", "critic.lora.rank=2"])
+    assert (cfg.actor.lora.rank, cfg.critic.lora.rank) == (4, 2)
+    with pytest.raises(UserError, match="actor.ref_model_path=/elsewhere with actor.lora.rank=4: "
+                                        "the reference policy is the actor's base"):
+        _load("ppo", ["actor.lora.rank=4", "actor.ref_model_path=/elsewhere"])
+    with pytest.raises(UserError, match="actor.ref_offload with actor.lora.rank=4"):
+        _load("ppo", ["actor.lora.rank=4", "actor.ref_offload.params=true"])
+    _load("ppo", ["actor.ref_model_path=/elsewhere"])  # without adapters: a second model, as before
+
+
+def test_ppo_worker_with_lora_references_its_base_and_feeds_the_engine_merged_weights(lora):
+    results = lora[0]
+    assert results["ppo/reference_is_the_actor"] == 1.0  # no second model built
+    assert results["ppo/actor/optimizer_holds_adapters_only"] == 1.0
+    assert results["ppo/critic/optimizer_holds_adapters_only"] == 1.0  # adapters + value head
+    assert results["ppo/start/logprob_abs_max"] > 1.0  # real log-probs were compared
+    assert results["ppo/start/actor_vs_reference"] == 0.0  # B = 0: the actor is its base, exactly
+    assert results["ppo/start/engine_vs_trainer"] < 1e-5
+    # After 3 updates the adapters moved the policy away from the base, the trainer's W stayed
+    # bitwise, and the engine (synced with W + alpha/r B A) scores like the trainer, not the base.
+    assert results["ppo/trained/actor_vs_reference"] > 0.1
+    assert results["ppo/trained/engine_vs_reference"] > 0.1
+    assert results["ppo/trained/engine_vs_trainer"] < 1e-5
+    assert results["ppo/base_bitwise_unchanged"] == 1.0
+
+
+def test_ppo_worker_with_lora_resumes_actor_and_critic_exactly(lora):
+    results = lora[0]
+    assert results["ppo/actor/checkpoint_lora_rank"] == 4.0
+    assert results["ppo/critic/checkpoint_lora_rank"] == 2.0
+    assert results["ppo/loaded_weights_are_the_saved"] == 1.0
+    assert results["ppo/resumed_steps_moved"] == 1.0  # the steps after the save changed weights
+    # The same two updates after loading (a mid-run reload, as a rollback does): same metrics,
+    # lr included (the critic's schedule decays), and bitwise the same adapters and head.
+    assert results["ppo/resume_metrics_equal"] == 1.0
+    assert results["ppo/resume_weights_bitwise"] == 1.0
