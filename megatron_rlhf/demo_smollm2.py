@@ -37,8 +37,8 @@ SYSTEM_PROMPT = "direct"  # reasoning_gym.utils.SYSTEM_PROMPTS: answer in <answe
 # Rows and steps of the full run and of the CI run (quick).
 SIZES = {
     # Sized to finish in well under an hour on 2 shared cores (docs/smollm2.md has the times).
-    False: {"train": 1000, "val": 200, "sft_steps": 24, "rm_steps": 10, "ppo_steps": 16,
-            "batch": 16, "eval_every": 8, "save_every": 2},
+    False: {"train": 1000, "val": 200, "sft_steps": 8, "rm_steps": 10, "ppo_steps": 60,
+            "batch": 16, "eval_every": 20, "save_every": 2},
     True: {"train": 24, "val": 8, "sft_steps": 2, "rm_steps": 2, "ppo_steps": 2,
            "batch": 4, "eval_every": 2, "save_every": 1},
 }
