@@ -66,7 +66,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", required=True, help="folder for the runs (one subfolder a seed)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--tool-fraction", type=float, default=0.3,
+    parser.add_argument("--tool-fraction", type=float, default=0.4,
                         help="share of the SFT traces that call the calculator")
     parser.add_argument("overrides", nargs="*", help="extra key=value for both GRPO runs")
     args = parser.parse_args()

@@ -81,7 +81,7 @@ def _prepare(root: Path, seed: int) -> None:
 
 
 def prepare_tool_task(root: Path, seed: int, train: int = 4000, val: int = 200,
-                      tool_fraction: float = 0.3) -> None:
+                      tool_fraction: float = 0.4) -> None:
     """The tools demo's data (:func:`write_tool_task_files`: three-digit sums, SFT traces of
     which ``tool_fraction`` call the calculator: at 0.5 the SFT policy's greedy choice to call
     was all or nothing by seed, leaving no room at some) and its tiny base, whose tokenizer has the
