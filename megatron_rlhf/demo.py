@@ -80,6 +80,30 @@ def _prepare(root: Path, seed: int) -> None:
     make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4, seed=seed)
 
 
+def prepare_tool_task(root: Path, seed: int, train: int = 4000, val: int = 200,
+                      tool_fraction: float = 0.4) -> None:
+    """The tools demo's data (:func:`write_tool_task_files`: three-digit sums, SFT traces of
+    which ``tool_fraction`` call the calculator: at 0.5 the SFT policy's greedy choice to call
+    was all or nothing by seed, leaving no room at some) and its tiny base, whose tokenizer has the
+    tool-carrying template. As in :func:`_prepare` the data is fixed and ``seed`` varies the
+    model."""
+    import pyarrow.parquet as pq
+
+    from megatron_rlhf.data.task_files import write_tool_task_files
+    from megatron_rlhf.models.tiny import TOOL_TEMPLATE, make_tiny_base
+
+    write_tool_task_files(str(root / "data"), train=train, val=val, seed=0,
+                          tool_fraction=tool_fraction)
+    rows = pq.read_table(root / "data" / "sft_train.parquet").to_pylist()
+    # The BPE learns its merges from the words the template will frame: the tools line, the
+    # role names it writes as text, the question and every turn.
+    frame = "tools: calculator; call as <tool_call>{json}</tool_call> <|tool|>"
+    texts = [" ".join([frame, row["prompt"], *(m["content"] for m in row["response"])])
+             for row in rows]
+    make_tiny_base(root / "base", texts, hidden_size=64, num_layers=4, seed=seed,
+                   chat_template=TOOL_TEMPLATE)
+
+
 def _curves(metrics_file: Path) -> dict[str, list[tuple[int, float]]]:
     curves: dict[str, list[tuple[int, float]]] = {}
     for line in metrics_file.read_text().splitlines():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_rlhf.models.tiny import make_tiny_model, tiny_config, train_tokenizer
+from megatron_rlhf.models.tiny import TOOL_TEMPLATE, make_tiny_model, tiny_config, train_tokenizer
 
 TEXTS = [f"what is {a} plus {b}? the answer is {a + b}." for a in range(40) for b in range(12)]
 
@@ -95,13 +95,6 @@ def build_task_workspace(root: str | Path, train: int, val: int, seed: int, high
     return root
 
 
-# A tool-capable chat template for the tiny tokenizer: the tools' names in a system turn, calls
-# in the hermes format, tool messages as turns of their own.
-TOOL_TEMPLATE = (
-    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t.function.name }}{% endfor %}; call "
-    "as <tool_call>{json}</tool_call><|end|>{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 TOOL_ANSWER = "The answer is 42."
 

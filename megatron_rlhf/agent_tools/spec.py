@@ -66,11 +66,11 @@ def tool_schemas(tools: list[ToolSpec]) -> list[dict]:
     return [tool.schema() for tool in tools]
 
 
-def load_tools(tools: list, tools_file: str | None = None) -> list[ToolSpec]:
-    """``rollout.tools`` (dataclasses or dicts) then the entries of ``tools_file``, each checked:
-    names unique, functions import, schemas are JSON schemas of an object, limits positive.
-    Raises :class:`UserError` naming the key."""
-    entries = [(f"rollout.tools[{i}]", _as_dict(entry, f"rollout.tools[{i}]"))
+def load_tools(tools: list, tools_file: str | None = None, key: str = "rollout.tools") -> list[ToolSpec]:
+    """``rollout.tools`` (dataclasses or dicts; ``key``: the config key they came from) then the
+    entries of ``tools_file``, each checked: names unique, functions import, schemas are JSON
+    schemas of an object, limits positive. Raises :class:`UserError` naming the key."""
+    entries = [(f"{key}[{i}]", _as_dict(entry, f"{key}[{i}]"))
                for i, entry in enumerate(tools)]
     if tools_file:
         entries += [(f"rollout.tools_file ({tools_file}) [{i}]", entry)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_rlhf.config.schema import (LoRAConfig, MoEConfig, OptimConfig, ParallelConfig,
-                                         TrainerConfig)
+                                         ToolConfig, TrainerConfig)
 
 
 @dataclass
@@ -330,30 +330,6 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """The reward model's weights in host memory outside its scoring pass (``params`` only)."""
-
-
-@dataclass
-class ToolConfig:
-    """One tool the policy may call (``rollout.tools``; docs/tools.md)."""
-
-    name: str = "???"
-    """Unique; the name the policy writes in a call."""
-    fn: str = ""
-    """``python`` (the code runs in the sandbox; its output is the answer), ``calculator``
-    (arithmetic), or ``package.module:function`` called with the call's arguments as keywords
-    (and ``row=``, the sample's row, if it has that parameter) returning text. Empty: the
-    built-in named ``name``."""
-    description: str = ""
-    """What the model reads about the tool; empty: a built-in's own."""
-    parameters: dict[str, Any] = field(default_factory=dict)
-    """JSON schema of the call's arguments (``type: object``); empty: a built-in's own. Calls
-    whose arguments do not fit get an error message back."""
-    timeout_s: float = 10.0
-    """Wall-clock seconds a call may take (``python``: also its CPU seconds); past it the call is
-    killed and the policy reads a timeout message."""
-    max_response_tokens: int = 256
-    """A result is cut to this many tokens of the policy's tokenizer (``python``: its output is
-    read up to 8 bytes a token, the process killed past that)."""
 
 
 @dataclass

@@ -214,9 +214,38 @@ class RMConfig:
 
 
 @dataclass
+class ToolConfig:
+    """One tool the policy may call (``rollout.tools``, an SFT run's ``data.tools``; docs/tools.md)."""
+
+    name: str = "???"
+    """Unique; the name the policy writes in a call."""
+    fn: str = ""
+    """``python`` (the code runs in the sandbox; its output is the answer), ``calculator``
+    (arithmetic), or ``package.module:function`` called with the call's arguments as keywords
+    (and ``row=``, the sample's row, if it has that parameter) returning text. Empty: the
+    built-in named ``name``."""
+    description: str = ""
+    """What the model reads about the tool; empty: a built-in's own."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """JSON schema of the call's arguments (``type: object``); empty: a built-in's own. Calls
+    whose arguments do not fit get an error message back."""
+    timeout_s: float = 10.0
+    """Wall-clock seconds a call may take (``python``: also its CPU seconds); past it the call is
+    killed and the policy reads a timeout message."""
+    max_response_tokens: int = 256
+    """A result is cut to this many tokens of the policy's tokenizer (``python``: its output is
+    read up to 8 bytes a token, the process killed past that)."""
+
+
+@dataclass
 class SFTDataConfig(DataConfig):
-    """Files with ``prompt`` (string or messages) and ``response`` (string) columns; an example
-    is a sample, so ``train_batch_size`` counts samples."""
+    """Files with ``prompt`` (string or messages) and ``response`` (string or messages) columns;
+    an example is a sample, so ``train_batch_size`` counts samples. A response of several
+    messages (assistant turns, tool results) is trained on its assistant turns only."""
+
+    tools: list[ToolConfig] = field(default_factory=list)
+    """Tools shown to the model in every prompt, through the chat template's ``tools=`` as an RL
+    run's ``rollout.tools`` are (train on tool-call traces with the tools the RL run will give)."""
 
 
 @dataclass

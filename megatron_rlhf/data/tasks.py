@@ -8,6 +8,7 @@ reward for PPO and the oracle for evaluation.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -42,6 +43,18 @@ def extract_answer(response: str) -> int | None:
 def check_answer(response: str, ground_truth: str | int) -> float:
     """1.0 when ``response`` states the right number ("The answer is N"), else 0.0."""
     return float(extract_answer(response) == int(ground_truth))
+
+
+def tool_trace(a: int, b: int, call: bool = True) -> list[dict]:
+    """The SFT response for ``What is a + b?`` with a ``calculator`` tool: a hermes-format call
+    with the sum's expression, the tool's answer and the final answer in the task's format
+    (``call=False``: the final answer alone, as a policy that does not use the tool writes it)."""
+    answer = [{"role": "assistant", "content": format_answer(a + b)}]
+    if not call:
+        return answer
+    request = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} + {b}"}})
+    return [{"role": "assistant", "content": f"<tool_call>{request}</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": str(a + b)}, *answer]
 
 
 def plausible_wrong(answer: int, rng: random.Random) -> int:

@@ -17,11 +17,19 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+# CHAT_TEMPLATE that also carries tools, Qwen-style: the tools' names in a system turn, calls in
+# the hermes format, tool messages as turns of their own (what ``rollout.tools`` needs).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t.function.name }}{% endfor %}; call "
+    "as <tool_call>{json}</tool_call><|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def train_tokenizer(texts: list[str], out_dir: str | os.PathLike, vocab_size: int = 300,
-                    chat_template: bool = True):
-    """Train and save a byte-level BPE tokenizer loadable with ``AutoTokenizer``."""
+                    chat_template: bool | str = True):
+    """Train and save a byte-level BPE tokenizer loadable with ``AutoTokenizer``;
+    ``chat_template``: True for :data:`CHAT_TEMPLATE`, or a template's text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,7 +45,7 @@ def train_tokenizer(texts: list[str], out_dir: str | os.PathLike, vocab_size: in
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>",
                                         eos_token="<|end|>")
     if chat_template:
-        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.chat_template = CHAT_TEMPLATE if chat_template is True else chat_template
     tokenizer.save_pretrained(out_dir)
     return tokenizer
 
@@ -116,11 +124,12 @@ def make_tiny_model(config, out_dir: str | os.PathLike | None = None, seed: int 
 
 def make_tiny_base(out_dir: str | os.PathLike, texts: list[str], vocab_size: int = 400,
                    num_layers: int = 4, hidden_size: int = 128, seed: int = 0,
-                   family: str = "qwen2") -> Path:
+                   family: str = "qwen2", chat_template: str = CHAT_TEMPLATE) -> Path:
     """A random tiny causal LM of ``family`` with a tokenizer trained on ``texts``: the demo's
-    base model (Qwen2), or any supported family's for tests."""
+    base model (Qwen2), or any supported family's for tests; ``chat_template``: the tokenizer's
+    (:data:`TOOL_TEMPLATE` for a policy that calls tools)."""
     out = Path(out_dir)
-    tokenizer = train_tokenizer(texts, out, vocab_size=vocab_size)
+    tokenizer = train_tokenizer(texts, out, vocab_size=vocab_size, chat_template=chat_template)
     config = tiny_config(family, "policy", vocab_size=len(tokenizer), num_layers=num_layers,
                          hidden_size=hidden_size, pad_token_id=tokenizer.pad_token_id)
     config.eos_token_id = tokenizer.eos_token_id

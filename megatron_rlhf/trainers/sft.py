@@ -111,10 +111,24 @@ def _policy(path: str, layout: ParallelLayout):
     return arch, Path(path), None, padded_vocab_size(arch.vocab_size, layout.tp)
 
 
+def _tool_schemas(config: SFTConfig, tokenizer) -> list[dict] | None:
+    """``data.tools``' schemas, checked as ``rollout.tools`` are (the template must carry them),
+    so SFT traces render as the RL run's tool prompts will; None without tools."""
+    from megatron_rlhf.agent_tools.render import check_template
+    from megatron_rlhf.agent_tools.spec import load_tools, tool_schemas
+
+    tools = load_tools(config.data.tools, key="data.tools")
+    if not tools:
+        return None
+    check_template(tokenizer, tools, "auto")
+    return tool_schemas(tools)
+
+
 def _load(config: SFTConfig, tokenizer):
     data = config.data
     limits = dict(tokenizer=tokenizer, max_prompt=data.max_prompt_length,
-                  max_response=data.max_response_length, overlong=data.overlong)
+                  max_response=data.max_response_length, overlong=data.overlong,
+                  tools=_tool_schemas(config, tokenizer))
     train, report = load_samples(data.train_files, **limits)
     val = load_samples(data.val_files, **limits)[0] if data.val_files else []
     return train, val, report
