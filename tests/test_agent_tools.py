@@ -219,7 +219,9 @@ def test_calculator_refuses(expression, message):
     start = time.perf_counter()
     with pytest.raises(CalculatorError, match=message):
         calculate(expression)
-    assert time.perf_counter() - start < 0.1  # bounded before computing
+    # Refused before computing: evaluated, 9 ** 9 ** 9 would not finish at all (only a hang breaks
+    # this bound, not a slow machine).
+    assert time.perf_counter() - start < 10
 
 
 # --- executor ----------------------------------------------------------------------------------
@@ -228,25 +230,25 @@ def _tool(name, fn, timeout_s=10.0, **extra):
     return dict(name=name, fn=fn, parameters=ARGS, timeout_s=timeout_s, **extra)
 
 
-def test_a_round_runs_in_parallel_and_failures_come_back_as_results(qwen_like):
+def test_a_round_runs_in_parallel_and_failures_come_back_as_results(qwen_like, tmp_path):
     tools = load_tools([_tool("nap", "tests.tool_fns:nap", timeout_s=5),
+                        _tool("meet", "tests.tool_fns:meet", timeout_s=20),
                         _tool("slow", "tests.tool_fns:nap", timeout_s=0.5),
                         _tool("explode", "tests.tool_fns:explode"),
                         _tool("lookup", "tests.tool_fns:lookup"),
                         _tool("numbers", "tests.tool_fns:numbers", max_response_tokens=3),
                         {"name": "calculator"}])
     by_name = {t.name: t for t in tools}
-    calls = [Call("nap", {"x": 1}), Call("nap", {"x": 1}), Call("slow", {"x": 30}),
+    calls = [Call("meet", {"x": 0}), Call("meet", {"x": 1}), Call("slow", {"x": 30}),
              Call("explode", {"x": 7}), Call("lookup", {"x": 2}), Call("numbers", {"x": 21}),
              Call("calculator", {"expression": "1/0"}),
              *parse_calls('<tool_call>{"name": "nap", "arguments": {}}</tool_call>'
                           '<tool_call>{"name": "hack", "arguments": {}}</tool_call>', "hermes", tools)]
-    rows = [{}] * 4 + [{"ground_truth": "42"}] + [{}] * 4
+    rows = [{"meeting": str(tmp_path)}] * 2 + [{}] * 2 + [{"ground_truth": "42"}] + [{}] * 4
     with ToolSession(tools, qwen_like[0], workers=4) as session:
-        start = time.perf_counter()
         results = session.run_round(calls, rows)
-        elapsed = time.perf_counter() - start
-    assert results[0] == results[1] == ToolResult("nap", "slept 1")
+    # The two meetings ran at the same time: each saw the other's mark.
+    assert results[0] == results[1] == ToolResult("meet", "met")
     assert results[2] == ToolResult("slow", "Error: timed out after 0.5 s", error=True, timeout=True)
     assert results[3] == ToolResult("explode", "Error: RuntimeError: boom 7", error=True)
     assert results[4] == ToolResult("lookup", "42:2")  # the sample's row reached the function
@@ -256,13 +258,11 @@ def test_a_round_runs_in_parallel_and_failures_come_back_as_results(qwen_like):
     assert results[6] == ToolResult("calculator", "Error: division by zero", error=True)
     assert results[7].error and "'x' is a required property" in results[7].text
     assert results[8].name == "invalid" and results[8].text.startswith("Error: unknown tool 'hack'")
-    # Two 1 s naps and a 0.5 s timeout on 4 workers: concurrent, not 2.5 s in a row (the slack is
-    # for replacing the timed-out worker on a busy machine).
-    assert elapsed < 2.4, elapsed
     metrics = tool_metrics(results)
     assert metrics["tools/calls"] == 9 and metrics["tools/errors"] == 5
     assert metrics["tools/timeouts"] == 1 and metrics["tools/truncated"] == 1
-    assert metrics["tools/nap/calls"] == 3 and metrics["tools/nap/errors"] == 1
+    assert metrics["tools/meet/calls"] == 2 and metrics["tools/meet/errors"] == 0
+    assert metrics["tools/nap/calls"] == 1 and metrics["tools/nap/errors"] == 1
     assert metrics["tools/invalid/errors"] == 1 and metrics["tools/slow/timeouts"] == 1
 
 
