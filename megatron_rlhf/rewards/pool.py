@@ -20,6 +20,7 @@ import sys
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
 from megatron_rlhf.errors import UserError
@@ -61,27 +62,28 @@ class _Worker:
     """One worker process. Started as ``python -c`` rather than ``multiprocessing``'s spawn,
     which re-imports the parent's ``__main__`` (a user's unguarded script, or ``<stdin>``)."""
 
-    def __init__(self, specs: dict[str, str], options: RewardOptions):
+    def __init__(self, serve_module: str, payload: tuple, what: str, loads: str, startup_s: float):
+        self.what, self.loads, self.startup_s = what, loads, startup_s
         ours, theirs = socket.socketpair()
-        code = _CHILD.format(fd=theirs.fileno())
+        code = _CHILD.format(fd=theirs.fileno(), module=serve_module)
         self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=(theirs.fileno(),),
                                         stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.conn.send(list(sys.path))  # the child imports our modules and the user's from it
-        self.conn.send((specs, options))
+        self.conn.send(payload)
 
     def wait_ready(self, deadline: float) -> None:
         if not self.conn.poll(max(0.0, deadline - time.monotonic())):
             self.stop()
-            raise UserError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            raise UserError(f"a {self.what} worker did not start within {self.startup_s:.0f} s")
         try:
             kind, detail = self.conn.recv()
         except (EOFError, OSError):
             kind, detail = "init_error", f"exited with code {self.process.wait()}"
         if kind != "ready":
             self.stop()
-            raise UserError(f"a reward worker could not load the reward functions: {detail}")
+            raise UserError(f"a {self.what} worker could not load {self.loads}: {detail}")
 
     def exit_code(self) -> int | None:
         try:
@@ -106,7 +108,7 @@ _CHILD = """import sys
 from multiprocessing.connection import Connection
 conn = Connection({fd})
 sys.path[:] = conn.recv()
-from megatron_rlhf.rewards.pool import _serve
+from {module} import _serve
 _serve(conn, *conn.recv())
 """
 
@@ -117,18 +119,21 @@ def _stop_all(workers: list[_Worker]) -> None:
     workers.clear()
 
 
-class RewardPool:
-    """``workers`` processes scoring the functions ``specs`` names (role -> spec)."""
+class WorkerPool:
+    """``workers`` processes, each running ``serve_module._serve(conn, *payload)``: it resolves
+    the user's functions, says ready, then answers one message at a time. Shared by the reward
+    functions (below) and the tools' user functions (``agent_tools.fn_pool``)."""
 
-    def __init__(self, specs: dict[str, str], options: RewardOptions, workers: int, timeout_s: float):
-        self.specs, self.options, self.timeout_s = dict(specs), options, timeout_s
-        self.restarts = 0
+    def __init__(self, serve_module: str, payload: tuple, workers: int, what: str, loads: str,
+                 startup_s: float):
+        self.worker_args = (serve_module, payload, what, loads, startup_s)
+        self.what, self.restarts = what, 0
         self.workers: list[_Worker] = []
         # Also stops the workers if the owner forgets close() (daemon processes die with us anyway).
         self._finalizer = weakref.finalize(self, _stop_all, self.workers)
         try:
-            self.workers.extend(_Worker(self.specs, options) for _ in range(workers))
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            self.workers.extend(_Worker(*self.worker_args) for _ in range(workers))
+            deadline = time.monotonic() + startup_s
             for worker in self.workers:
                 worker.wait_ready(deadline)
         except BaseException:
@@ -138,33 +143,33 @@ class RewardPool:
     def _replace(self, worker: _Worker) -> _Worker:
         worker.stop()
         self.workers.remove(worker)
-        fresh = _Worker(self.specs, self.options)
-        fresh.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
+        fresh = _Worker(*self.worker_args)
+        fresh.wait_ready(time.monotonic() + fresh.startup_s)
         self.workers.append(fresh)
         self.restarts += 1
         return fresh
 
-    def map(self, role: str, calls: list[Call]) -> list[tuple[str, object]]:
-        """Score every call with ``role``'s function; outcomes in call order."""
+    def run(self, messages: list[tuple[object, float]],
+            died: Callable[[_Worker], tuple]) -> list[tuple[str, object]]:
+        """Outcomes of ``(message, timeout_s)`` pairs, in order; a message's clock starts when a
+        worker takes it. ``died(worker)`` is the outcome of a message whose worker died."""
         if not self.workers:
-            raise RuntimeError("the reward pool is closed")
-        outcomes: list = [None] * len(calls)
-        pending = deque(enumerate(calls))
-        idle = list(self.workers)
+            raise RuntimeError(f"the {self.what} pool is closed")
+        outcomes: list = [None] * len(messages)
+        pending, idle = deque(enumerate(messages)), list(self.workers)
         busy: dict[object, tuple[_Worker, int, float]] = {}  # conn -> (worker, call, deadline)
         while pending or busy:
             while pending and idle:
-                worker, (index, call) = idle.pop(), pending.popleft()
-                worker.conn.send((role, call))
-                busy[worker.conn] = (worker, index, time.monotonic() + self.timeout_s)
+                worker, (index, (message, timeout_s)) = idle.pop(), pending.popleft()
+                worker.conn.send(message)
+                busy[worker.conn] = (worker, index, time.monotonic() + timeout_s)
             first_deadline = min(deadline for _, _, deadline in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, first_deadline - time.monotonic())):
                 worker, index, _ = busy.pop(conn)
                 try:
                     outcomes[index] = conn.recv()
                 except (EOFError, OSError):
-                    outcomes[index] = ("error", ("WorkerDied", f"the reward worker exited with code "
-                                                 f"{worker.exit_code()}"))
+                    outcomes[index] = died(worker)
                     worker = self._replace(worker)
                 idle.append(worker)
             now = time.monotonic()
@@ -178,3 +183,17 @@ class RewardPool:
     def close(self) -> None:
         """Ask every worker to stop, kill the ones that do not within 2 s; idempotent."""
         self._finalizer()
+
+
+class RewardPool(WorkerPool):
+    """``workers`` processes scoring the functions ``specs`` names (role -> spec)."""
+
+    def __init__(self, specs: dict[str, str], options: RewardOptions, workers: int, timeout_s: float):
+        self.specs, self.options, self.timeout_s = dict(specs), options, timeout_s
+        super().__init__("megatron_rlhf.rewards.pool", (self.specs, options), workers, "reward",
+                         "the reward functions", STARTUP_TIMEOUT_S)
+
+    def map(self, role: str, calls: list[Call]) -> list[tuple[str, object]]:
+        """Score every call with ``role``'s function; outcomes in call order."""
+        return self.run([((role, call), self.timeout_s) for call in calls], lambda worker: (
+            "error", ("WorkerDied", f"the reward worker exited with code {worker.exit_code()}")))
