@@ -12,7 +12,6 @@ Usage: torchrun --nproc-per-node 4 tests/dist_families.py MODELS_ROOT WORKDIR OU
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist_parity import (from_hf, layout_groups, logits_of, max_over_world,  # noqa: E402
-                         release_groups)
+                         release_groups, write_results_and_leave)
 from dist_weight_sync import gap, perturb  # noqa: E402
 
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
@@ -248,10 +247,7 @@ def main() -> None:
     sync_parity(root, results)
     engine_sync_parity(root, results)
     training(root, results)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_leave(out, results)
 
 
 if __name__ == "__main__":

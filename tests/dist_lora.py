@@ -34,7 +34,8 @@ from megatron_rlhf.models.lora import (  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
 from tests.dist_lora_ppo import ppo_with_lora  # noqa: E402
-from tests.dist_parity import from_hf, layout_groups, logits_of, max_over_world  # noqa: E402
+from tests.dist_parity import (from_hf, layout_groups, logits_of, max_over_world,  # noqa: E402
+                               write_results_and_leave)
 
 SPEC = LoRASpec(rank=4, alpha=8.0, seed=3)
 STEPS = 3
@@ -338,10 +339,7 @@ def main() -> None:
         started = time.perf_counter()
         run()
         results[f"seconds/{section}"] = round(time.perf_counter() - started, 1)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_leave(out, results)
 
 
 if __name__ == "__main__":

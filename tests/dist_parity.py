@@ -185,10 +185,7 @@ def main() -> None:
     checkpoint_reshard(root, workdir, results)
     reward_parity(root, results)
     unused_tensor_refused(root, workdir, results)
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_leave(out, results)
 
 
 if __name__ == "__main__":

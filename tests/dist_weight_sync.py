@@ -9,7 +9,6 @@ Usage: torchrun --nproc-per-node 2 tests/dist_weight_sync.py MODELS_ROOT OUT.jso
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
 from megatron_rlhf.trainers.rl.losses import token_logprobs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_parity import from_hf, max_over_world  # noqa: E402
+from dist_parity import from_hf, max_over_world, write_results_and_leave  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 8, 90], [44, 2, 61, 7, 19, 23, 120, 3, 77], [12, 9, 200]]
 
@@ -115,10 +114,7 @@ def main() -> None:
     init_distributed()
     results = {name: run_scenario(root, *spec) for name, spec in SCENARIOS.items()}
     results["sglang_payload_order"] = payload_order()
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_leave(out, results)
 
 
 if __name__ == "__main__":
