@@ -237,6 +237,35 @@ def test_advantages_and_rewards_stay_on_the_policys_tokens(estimator):
     assert (engine[0][mask[0] > 0] == -1.0).all() and (engine * (1 - mask)).abs().sum() == 0
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_function_scores_each_turn_of_a_tool_trajectory(workers):
+    """``turn_scores`` from a reward function reading ``extra["trajectory"]``, in-process and
+    through the reward pool; malformed lists and lists of the wrong length are refused."""
+    from megatron_rlhf.errors import UserError
+    from megatron_rlhf.rewards.registry import as_score
+    from megatron_rlhf.rewards.scorer import RewardScorer
+    from megatron_rlhf.trainers.rl.agent import _turn_lists
+
+    trajectory = [{"role": "assistant", "content": CALC}, {"role": "tool", "content": "42"},
+                  {"role": "assistant", "content": CALC}, {"role": "tool", "content": "Error: x"},
+                  {"role": "assistant", "content": "42"}]
+    with RewardScorer.from_specs("tests.tool_fns:turn_reward", None, workers=workers) as scorer:
+        scores, turns = scorer.score_turns("fn", [("42", "42", "q", {"trajectory": trajectory}),
+                                                  (CALC, "42", "q", {"trajectory": trajectory[:1]})])
+    assert scores == [1.0, 0.0] and turns == [(0.25, 0.0, 1.0), (0.0,)]
+    assert as_score({"score": 1, "turn_scores": [0.5, 1]}) == (1.0, {"turn_scores": (0.5, 1.0)})
+    for bad in ("0.5", [float("nan")], [], 3, [None]):
+        with pytest.raises((TypeError, ValueError)):
+            as_score({"score": 1, "turn_scores": bad})
+    gens = [Generation(0, [1, 2, 3, 4], [0.0] * 4, True, mask=[1, 0, 0, 1], turn_ends=[0, 3]),
+            Generation(0, [5, 6], [0.0] * 2, True, mask=[1, 1], turn_ends=[1])]
+    # A sample whose function gave no turn scores keeps its score on its last turn.
+    assert _turn_lists([(0.25, 1.0), None], [1.0, 0.5], gens, "f") == [[0.25, 1.0], [0.5]]
+    assert _turn_lists([None, None], [1.0, 0.5], gens, "f") == [[0.0, 1.0], [0.5]]
+    with pytest.raises(UserError, match="returned 1 turn_scores for sample 0, a trajectory of 2"):
+        _turn_lists([(1.0,), None], [1.0, 0.5], gens, "f")
+
+
 # --- start-up checks and one short PPO run with tools ------------------------------------------
 
 @pytest.mark.parametrize("setting, message", [
@@ -261,30 +290,56 @@ def test_what_tools_do_not_combine_with_is_refused_at_start_up(tmp_path, setting
         validate_ppo_config(load_config(PPOConfig, str(path), base + [setting]))
 
 
+ONE_STEP_OFF = ("rollout.placement=separate", "rollout.world_size=1", "rollout.max_staleness=1",
+                "trainer.save_every_steps=1", "trainer.keep_last_n=5", "rollout.tool_workers=16")
+# One step off, the calculator answers after 8 s (all of a round's calls at once): longer than
+# a tiny update, so the weight sync comes while a step's trajectories wait for their tool round.
+SLOW_CALCULATOR = """- name: calculator
+  fn: tests.tool_fns:slow_calculator
+  description: evaluates an arithmetic expression
+  timeout_s: 30
+  parameters:
+    type: object
+    properties: {expression: {type: string}}
+    required: [expression]
+"""
+
+
 @pytest.mark.slow
-def test_ppo_with_tools_trains_on_the_policys_tokens_and_logs_tool_metrics(caller, tmp_path):
+@pytest.mark.parametrize("schedule", ["on_policy", "one_step_off"])
+def test_ppo_with_tools_trains_on_the_policys_tokens_and_logs_tool_metrics(caller, tmp_path, schedule):
+    """Two runs of a tiny policy that calls the calculator, rewarded per turn by
+    tests/tool_fns.py:turn_reward: on-policy on the actor's ranks, and one step off on a separate
+    rollout group (the driver's thread runs each step's tool rounds while the trainers update)."""
     from transformers import AutoTokenizer
 
     from tests.test_ppo import finish, metrics, overrides, ppo
 
     tools = tmp_path / "tools.yaml"
-    tools.write_text("- name: calculator\n")
+    tools.write_text("- name: calculator\n" if schedule == "on_policy" else SLOW_CALCULATOR)
     out = tmp_path / "run"
-    args = overrides(caller, out, f"rollout.tools_file={tools}", "rollout.max_assistant_turns=3",
+    steps = 2 if schedule == "on_policy" else 3
+    args = overrides(caller, out, f"rollout.tools_file={tools}",
+                     f"rollout.max_assistant_turns={3 if schedule == 'on_policy' else 2}",
                      "rollout.tool_check=true", "data.max_prompt_length=96",
-                     "data.max_response_length=40", "trainer.max_steps=2",
+                     "data.max_response_length=40", f"trainer.max_steps={steps}",
                      "trainer.eval_every_steps=0", "trainer.val_before_train=false",
-                     f"trainer.rollout_data_dir={out / 'rollouts'}")
+                     "reward.fn=tests.tool_fns:turn_reward", "reward.workers=0",
+                     f"trainer.rollout_data_dir={out / 'rollouts'}",
+                     *(ONE_STEP_OFF if schedule == "one_step_off" else ()))
     code, stdout, stderr = finish(ppo(args))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     rows = [r for r in metrics(out) if "actor/pg_loss" in r]
-    assert len(rows) == 2
+    assert len(rows) == steps
     for r in rows:
         assert r["tools/calls"] > 0 and r["tools/calculator/calls"] == r["tools/calls"]
         assert r["tools/template_mismatch"] == 0 and r["tools/errors"] == 0
         assert 1 < r["tools/turns_mean"] <= 3 and r["tools/calls_per_sample"] > 0
         assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["critic/vf_loss"])
-        assert r["rollout/logprob_diff_max"] < 1e-4  # engine = actor on every policy token
+    if schedule == "on_policy":
+        assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)  # engine = actor
+    else:
+        _check_one_step_off(caller, out, rows)
     # What was trained on: the policy's turns (mask 1, each closed by its end-of-turn token) and
     # between them exactly the template's tool tokens (mask 0).
     tok = AutoTokenizer.from_pretrained(caller / "base")
@@ -292,7 +347,7 @@ def test_ppo_with_tools_trains_on_the_policys_tokens_and_logs_tool_metrics(calle
         [{"name": "calculator"}])))
     samples = [json.loads(line) for path in sorted((out / "rollouts").glob("step_*.jsonl"))
                for line in path.read_text().splitlines()]
-    assert len(samples) == 32 and any(0 in s["mask"] for s in samples)
+    assert len(samples) == 16 * steps and any(0 in s["mask"] for s in samples)
     for s in samples:
         ids, mask = s["response_ids"], s["mask"]
         runs, start = [], 0
@@ -303,3 +358,77 @@ def test_ppo_with_tools_trains_on_the_policys_tokens_and_logs_tool_metrics(calle
         assert all(part == calc for m, part in runs if m == 0)
         assert all(part[-1] == tok.eos_token_id for m, part in runs if m == 1)
         assert all(lp == 0.0 for lp, m in zip(s["logprobs"], mask) if m == 0)
+        # The reward function's turn scores, each on its turn (tests/tool_fns.py:turn_reward):
+        # 0.25 per answered call, 1 for ending on an answer; the score is their sum.
+        policy_turns = [part for m, part in runs if m == 1]
+        calls = [tok.decode(part).count("<tool_call>") for part in policy_turns]
+        expected = [0.25 * c for c in calls[:-1]] + [0.0 if calls[-1] else 1.0]
+        assert s["turn_rewards"] == pytest.approx(expected)
+        assert s["score"] == pytest.approx(sum(expected))
+        assert [m["role"] for m in s["messages"]].count("assistant") == len(policy_turns)
+    assert {s["score"] for s in samples} != {samples[0]["score"]}  # the rewards differ
+
+
+def _check_one_step_off(caller, out, rows):
+    """Steps 2 and 3 were sampled by the weights of the step before, every turn of them (the
+    weight sync waits for the rounds started ahead), while the previous step updated."""
+    import torch
+
+    from megatron_rlhf.cli import main
+    from tests.test_ppo import teacher_forced
+
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+           if "actor/pg_loss" in line]
+    assert all(r["timing/overlap"] > 0 for r in raw[1:])
+    weights = {0: caller / "base"}
+    for step in (1, 2):
+        weights[step] = out / f"hf_{step}"
+        assert main(["convert", "mcore-to-hf", "--mcore-dir", str(out / "checkpoints" / "actor" /
+                     f"step_{step:08d}"), "--out-dir", str(weights[step])]) == 0
+    for step in (1, 2):
+        dumped = [json.loads(line) for line in (out / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert {r["weight_version"] for r in dumped} == {step - 1}
+        policy = torch.tensor([m for r in dumped for m in r["mask"]]) == 1
+        engine = torch.tensor([lp for r in dumped for lp in r["logprobs"]])[policy]
+        previous, current = (teacher_forced(weights[v], dumped)[policy] for v in (step - 1, step))
+        assert (engine - previous).abs().max() < 1e-5  # every turn: the previous weights
+        assert (engine - current).abs().max() > 1e-4
+
+
+
+@pytest.mark.slow
+def test_a_population_of_agents_calls_tools(caller, tmp_path):
+    """multi_agent.mode=population with tools: both agents roll out tool trajectories on the
+    same prompts, each logs its own tools/* metrics, and the preference table covers them; the
+    two-player modes, which write their own prompts and turns, refuse tools at start-up."""
+    from megatron_rlhf.config.agents import check_agents
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.config.ppo_schema import PPOConfig
+    from megatron_rlhf.errors import UserError
+    from tests.test_ppo import finish, metrics, ppo
+
+    base, data, out = caller / "base", caller / "data", tmp_path / "pop"
+    args = [f"agents=[{{name: a, model_path: {base}}}, {{name: b, model_path: {base}}}]",
+            "multi_agent.mode=population", "rollout.tools=[{name: calculator}]",
+            "rollout.max_assistant_turns=2", f"data.train_files=[{data / 'prompts_train.parquet'}]",
+            "data.max_prompt_length=96", "data.max_response_length=40", "data.train_batch_size=4",
+            "rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_rank=8",
+            "actor.ppo_epochs=1", "algorithm.adv_estimator=sppo", "actor.policy_loss=sppo",
+            "actor.loss_agg_mode=seq-mean-token-mean", "algorithm.use_kl_in_reward=false",
+            "reward.fn=tests.tool_fns:turn_reward",
+            "reward.workers=0", "trainer.max_steps=1", "trainer.eval_every_steps=0",
+            "trainer.val_before_train=false", "trainer.logger=console", f"trainer.output_dir={out}"]
+    for mode in ("proposer-solver", "critique-revise"):
+        with pytest.raises(UserError, match=f"rollout.tools is not supported with multi_agent.mode={mode}"):
+            check_agents(load_config(PPOConfig, None, args + [f"multi_agent.mode={mode}",
+                                                                    "algorithm.adv_estimator=grpo",
+                                                                    "actor.policy_loss=vanilla"]))
+    code, stdout, stderr = finish(ppo(args))
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    row = next(r for r in metrics(out) if "agent/a/actor/pg_loss" in r)
+    for name in ("a", "b"):
+        assert row[f"agent/{name}/tools/calls"] > 0 and row[f"agent/{name}/tools/errors"] == 0
+        assert 1 < row[f"agent/{name}/tools/turns_mean"] <= 2
+        assert math.isfinite(row[f"agent/{name}/actor/pg_loss"])
+    assert row["population/win_rate/a/b"] + row["population/win_rate/b/a"] == pytest.approx(1.0)

@@ -40,3 +40,25 @@ def lookup(x: int, row: dict) -> str:
 
 def numbers(x: int):
     return {"x": x, "double": 2 * x}
+
+
+def turn_reward(response: str, ground_truth: str, prompt: str, extra: dict) -> dict:
+    """A reward per assistant turn of a tool trajectory (``extra["trajectory"]``): 0.25 for each
+    tool answer a turn's calls got back without an error, and on the last turn 1 for a final
+    answer (a turn without a call)."""
+    turns: list[float] = []
+    for message in extra["trajectory"]:
+        if message["role"] == "assistant":
+            turns.append(0.0)
+        elif not message["content"].startswith("Error"):
+            turns[-1] += 0.25
+    final = 0.0 if "<tool_call>" in response else 1.0
+    turns[-1] += final
+    return {"score": final, "turn_scores": turns}
+
+
+def slow_calculator(expression: str) -> str:
+    """The calculator's answer to the tiny tool caller's one question, after a pause longer than
+    a tiny model's update (a one-step-off run's weight sync then comes during the round)."""
+    time.sleep(8.0)
+    return "42" if expression.replace(" ", "") == "6*7" else "?"

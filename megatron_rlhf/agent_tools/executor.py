@@ -12,6 +12,7 @@ text tells the policy what went wrong, counted in :func:`tool_metrics`.
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,11 +50,18 @@ class ToolSession:
         user = {t.name: t.fn for t in tools if not t.builtin}
         self.pool = FunctionPool(user, workers) if user else None
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+        # Rounds of different threads (agents generating ahead) take turns: the worker pool
+        # answers one map at a time.
+        self._lock = threading.Lock()
 
     def run_round(self, calls: list[Call | ParseError], rows: list[dict] | None = None) -> list[ToolResult]:
         """The results of ``calls`` (the parsed calls of a round, any samples), in order;
         ``rows[i]``: the row of the sample ``calls[i]`` came from (user functions taking ``row``
         get it)."""
+        with self._lock:
+            return self._run_round(calls, rows)
+
+    def _run_round(self, calls: list[Call | ParseError], rows: list[dict] | None) -> list[ToolResult]:
         rows = rows if rows is not None else [{}] * len(calls)
         results: list[ToolResult | None] = [None] * len(calls)
         sandboxed, user = {}, []

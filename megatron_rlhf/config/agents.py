@@ -55,7 +55,10 @@ def _check_mode(cfg: PPOConfig) -> None:
     unsupported = [(alg.filter_groups.enable, "algorithm.filter_groups.enable"),
                    (cfg.data.offline_fraction > 0, "data.offline_fraction"),
                    (cfg.rollout.max_turns > 1, "rollout.max_turns"),
-                   (bool(cfg.rollout.tools or cfg.rollout.tools_file), "rollout.tools")]
+                   # Population: every agent answers the dataset's prompts, tools and all. The
+                   # two-player modes write their own prompts and turns (not built with tools).
+                   (bool(cfg.rollout.tools or cfg.rollout.tools_file) and m.mode != "population",
+                    "rollout.tools")]
     for bad, key in unsupported:
         if bad:
             raise UserError(f"config: {key} is not supported with multi_agent.mode={m.mode} (the "

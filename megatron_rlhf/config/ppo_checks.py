@@ -135,12 +135,11 @@ def validate_ppo_config(cfg: PPOConfig) -> PPOConfig:
 
 def _check_tool_combinations(cfg: PPOConfig) -> None:
     """What tool rollouts run with. Refused: what drives its own generation (the retry
-    dialogue, dynamic sampling's rounds, generation ahead, a play mode), offline samples, prompts
-    cut from the left (the schemas are at their start), and SGLang, not yet run with tools."""
+    dialogue, dynamic sampling's rounds; the play modes are checked with ``agents``), offline
+    samples, prompts cut from the left (the schemas are at their start), and SGLang, not yet run
+    with tools."""
     r, d = cfg.rollout, cfg.data
     refused = [(r.max_turns > 1, f"rollout.max_turns={r.max_turns} (the retry dialogue)"),
-               (r.max_staleness > 0, f"rollout.max_staleness={r.max_staleness} (generation "
-                "ahead sends whole steps to the rollout group, without the driver's turn loop)"),
                (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups"),
                (d.offline_fraction > 0, "data.offline_fraction"),
                (d.overlong == "truncate", "data.overlong=truncate (it cuts prompts from the "

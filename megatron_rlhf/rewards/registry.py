@@ -15,12 +15,17 @@ The call: ``fn(response, ground_truth, prompt, extra)``
 - ``extra``: a dict of the row's other Parquet columns (every column but the prompt and the
   ground truth), by name, as Python values; ``{}`` when there are none. Datasets written by
   ``tools/make_task_data.py --source reasoning-gym`` carry ``task`` and ``metadata`` (a JSON
-  string, the generator's entry metadata).
+  string, the generator's entry metadata). Tool trajectories (``rollout.tools``) add
+  ``trajectory``: the conversation after the prompt, ``[{"role": "assistant" | "tool",
+  "content": ...}, ...]`` (``response`` is its last assistant turn).
 
 Functions of two arguments, ``fn(response, ground_truth)`` (the older signature, e.g.
 ``addition``), keep working: the arity is read once, here. A function returns a float, or a dict
 with a ``score`` and named numeric extras, which the PPO driver logs as ``reward/<name>`` (means
-over a step's calls). A name that resolves to nothing is a config error naming the key.
+over a step's calls). For a tool trajectory the dict may also hold ``turn_scores``, one number
+per assistant turn: each is then that turn's reward, on its last token (their sum is the
+sequence's score; ``score`` stays the function's verdict on the whole trajectory, which
+``val/oracle_acc`` reuses). A name that resolves to nothing is a config error naming the key.
 """
 
 from __future__ import annotations
@@ -106,20 +111,35 @@ class RewardFunction:
             hook()
 
 
-def as_score(value: Any) -> tuple[float, dict[str, float]]:
-    """A reward function's return value as ``(score, extras)``."""
-    extras: dict[str, float] = {}
+def as_score(value: Any) -> tuple[float, dict[str, Any]]:
+    """A reward function's return value as ``(score, extras)``; ``extras["turn_scores"]``, when
+    returned, is a tuple of finite floats, every other extra a float."""
+    extras: dict[str, Any] = {}
     if isinstance(value, dict):
         if "score" not in value:
             raise TypeError(f"returned a dict without 'score' (keys: {', '.join(map(str, value))})")
         for name, extra in value.items():
-            if name != "score":
+            if name == TURN_SCORES:
+                extras[name] = _turn_scores(extra)
+            elif name != "score":
                 extras[str(name)] = _number(extra, f"extra {name!r}")
         value = value["score"]
     score = _number(value, "score")
     if not math.isfinite(score):
         raise ValueError(f"returned a score of {score}")
     return score, extras
+
+
+TURN_SCORES = "turn_scores"
+
+
+def _turn_scores(value: Any) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"turn_scores is {type(value).__name__}, not a list of numbers")
+    out = tuple(_number(v, "a turn score") for v in value)
+    if not out or not all(math.isfinite(v) for v in out):
+        raise ValueError(f"returned turn_scores {list(out)}: one finite number per assistant turn")
+    return out
 
 
 def _number(value: Any, what: str) -> float:

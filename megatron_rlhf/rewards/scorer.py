@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass, field
 
 from megatron_rlhf.rewards.pool import Call, RewardPool
-from megatron_rlhf.rewards.registry import IN_PROCESS_SAFE, RewardFunction, RewardOptions, resolve
+from megatron_rlhf.rewards.registry import (IN_PROCESS_SAFE, TURN_SCORES, RewardFunction,
+                                            RewardOptions, resolve)
 
 # Metric names the driver itself writes under reward/: a function's extra of the same name is
 # logged as reward/fn_<name> instead of overwriting them.
@@ -102,6 +103,11 @@ class RewardScorer:
     def score(self, role: str, calls: list[Call]) -> list[float]:
         """Scores of ``role``'s function for ``calls`` (each ``(response, ground_truth, prompt,
         extra)``); failed calls score 0 and are counted for :meth:`drain`."""
+        return self.score_turns(role, calls)[0]
+
+    def score_turns(self, role: str, calls: list[Call]) -> tuple[list[float], list[tuple | None]]:
+        """:meth:`score`, and per call the ``turn_scores`` the function returned (None where it
+        returned none, or failed)."""
         fn = self.fns[role]
         if self.pool is not None:
             outcomes = self.pool.map(role, list(calls))
@@ -109,8 +115,9 @@ class RewardScorer:
             outcomes = [self._in_process(fn, call) for call in calls]
         t = self.tally
         t.calls[fn.spec] = t.calls.get(fn.spec, 0) + len(calls)
-        scores = []
+        scores, turns = [], []
         for kind, detail in outcomes:
+            turns.append(detail[1].pop(TURN_SCORES, None) if kind == "ok" else None)
             if kind == "ok":
                 score, extras = detail
                 for name, value in extras.items():
@@ -128,7 +135,7 @@ class RewardScorer:
                 key, first = (fn.spec, detail[0]), detail[1]
             failure = t.failures.setdefault(key, _Failures(first=first))
             failure.count += 1
-        return scores
+        return scores, turns
 
     @staticmethod
     def _in_process(fn: RewardFunction, call: Call) -> tuple[str, object]:

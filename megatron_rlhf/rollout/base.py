@@ -66,6 +66,9 @@ class Generation:
     """Multi-turn samples: index in ``tokens`` of each turn's last policy token."""
     turn_scores: list[float] | None = None
     """Multi-turn samples: the rule-based reward of each turn."""
+    messages: list[dict] | None = None
+    """Tool trajectories: the conversation after the prompt (the assistant turns' texts and the
+    tool messages), which a reward function reads as ``extra["trajectory"]``."""
     routing: torch.Tensor | None = None
     """``SamplingParams.routed_experts``: the top-k expert ids the engine's routers chose for
     every token it read, ``[prompt + response - 1, moe_layers, topk]`` int16 (the last response

@@ -128,7 +128,7 @@ def run_tool_turns(generate: Generate, prompts: list[list[int]], params: Samplin
     if env.check and messages is not None:
         metrics["tools/template_mismatch"] = float(sum(
             _mismatch(env, t, prompts, messages) > 0 for t in samples))
-    return [t.gen for t in samples], metrics
+    return [replace(t.gen, messages=t.conversation) for t in samples], metrics
 
 
 def _turn(env: ToolEnv, tokens: list[int]) -> tuple[dict, list]:

@@ -106,6 +106,7 @@ class PPORun(GenerationAhead, AgentSampling):
     """``rollout.tools``' :class:`~megatron_rlhf.rollout.tool_turns.ToolEnv` (the run's, shared
     by its agents), or None: rollouts are then tool-free."""
     tool_metrics: dict = field(default_factory=dict)
+    ahead_thread: object = None  # with tools and generation ahead: the thread that drives it
 
     def __post_init__(self):
         if self.rewards is None and (self.reward_fn is not None or self.oracle_fn is not None):
@@ -227,7 +228,7 @@ class PPORun(GenerationAhead, AgentSampling):
         # Multi-turn samples are judged by their last turn (the oracle) and trained on every
         # turn's reward; single-turn ones by the whole response.
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
-        calls = reward_calls(texts, [prompts[g.prompt_index] for g in gens])
+        calls = reward_calls(texts, [prompts[g.prompt_index] for g in gens], gens)
         values = rm = None
         if uses_critic(self.cfg) or self.cfg.reward.model_path:
             parts = stitch(self.critic.call(PPOWorker.compute_values, batch))
@@ -241,13 +242,17 @@ class PPORun(GenerationAhead, AgentSampling):
         if self.reward_fn is not None and gens[0].turn_scores is not None:
             fn_scores = [g.turn_scores[-1] for g in gens]  # the last turn, as the oracle judges
             score += r.fn_weight * torch.tensor([sum(g.turn_scores) for g in gens])
-            turns = r.fn_weight * turn_rewards(
-                [g.turn_scores for g in gens],
-                [[int(batch["loss_mask"][row].nonzero()[0]) + end for end in g.turn_ends]
-                 for row, g in enumerate(gens)], batch["loss_mask"].shape[1])
+            turns = r.fn_weight * turn_rewards([g.turn_scores for g in gens], _turn_positions(batch, gens),
+                                               batch["loss_mask"].shape[1])
         elif self.reward_fn is not None:
-            fn_scores = self.rewards.score("fn", calls)
-            score += r.fn_weight * torch.tensor(fn_scores)
+            fn_scores, per_turn = self.rewards.score_turns("fn", calls)
+            if any(t is not None for t in per_turn):  # a tool trajectory's reward per turn
+                lists = _turn_lists(per_turn, fn_scores, gens, r.fn)
+                score += r.fn_weight * torch.tensor([sum(t) for t in lists])
+                turns = r.fn_weight * turn_rewards(lists, _turn_positions(batch, gens),
+                                                   batch["loss_mask"].shape[1])
+            else:
+                score += r.fn_weight * torch.tensor(fn_scores)
         out = {"score": score, "rm": rm, "turns": turns}
         if self.oracle_fn is not None:
             # The oracle defaults to reward.fn: reuse its scores rather than compute them twice.
@@ -271,7 +276,8 @@ class PPORun(GenerationAhead, AgentSampling):
     def oracle_scores(self, prompts: list[Prompt], gens: list[Generation]) -> torch.Tensor:
         """The oracle's scores [N] alone (no reward model, no shaping): accuracy, not signal."""
         texts = [self.tokenizer.decode(_last_turn(g), skip_special_tokens=True) for g in gens]
-        return torch.tensor(self.rewards.score("oracle", reward_calls(texts, [prompts[g.prompt_index] for g in gens])))
+        calls = reward_calls(texts, [prompts[g.prompt_index] for g in gens], gens)
+        return torch.tensor(self.rewards.score("oracle", calls))
 
     def reward_metrics(self) -> dict[str, float]:
         """``reward/errors``, ``reward/timeouts`` and the functions' extras since the last call
@@ -397,6 +403,7 @@ class PPORun(GenerationAhead, AgentSampling):
         """The actor's weights (those of step ``version``) into its rollout engines: on its own
         ranks, or over the bridge into the separate rollout group (both groups take part
         together; on its ranks the receive follows any generation started ahead)."""
+        self.wait_ahead()  # with tools: their turns stay on the weights they started with
         self.engine_version = version
         if self.rollout_group is None:
             self.actor.call(PPOWorker.sync_weights)
@@ -514,6 +521,29 @@ def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> 
                                     if k.startswith("timing/") and k != "timing/overlap"))
     if run.step < run.total_steps and (reason := run.stop_reason()):
         run.stop_now(reason)
+
+
+def _turn_positions(batch: Experience, gens: list[Generation]) -> list[list[int]]:
+    """Each sample's turn ends as columns of the batch (its response starts at the first
+    position of its loss mask)."""
+    return [[int(batch["loss_mask"][row].nonzero()[0]) + end for end in (g.turn_ends or [len(g.tokens) - 1])]
+            for row, g in enumerate(gens)]
+
+
+def _turn_lists(per_turn: list, scores: list[float], gens: list[Generation], fn: str) -> list[list[float]]:
+    """Per-turn rewards of a batch where a reward function returned ``turn_scores``: a sample
+    without them gets its score on its last turn; a list of the wrong length is an error."""
+    out = []
+    for k, (turns, score, g) in enumerate(zip(per_turn, scores, gens)):
+        count = len(g.turn_ends or [0])
+        if turns is None:
+            out.append([0.0] * (count - 1) + [score])
+        elif len(turns) != count:
+            raise UserError(f"reward.fn {fn!r} returned {len(turns)} turn_scores for sample {k}, a "
+                            f"trajectory of {count} assistant turn(s): give one per turn")
+        else:
+            out.append(list(turns))
+    return out
 
 
 def _last_turn(g: Generation) -> list[int]:

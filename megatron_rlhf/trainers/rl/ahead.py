@@ -1,9 +1,16 @@
 """Generation ahead (``rollout.max_staleness = k > 0`` with a separate rollout group): the
 rollout ranks generate the next ``k`` steps' samples with the weights they hold while the
-trainers update, and every batch is checked for its age (weight versions behind the trainer)."""
+trainers update, and every batch is checked for its age (weight versions behind the trainer).
+
+With tools a step's trajectories take several rounds (generate, run the calls, continue), which
+the driver drives: a thread of the driver runs them against the rollout group while the
+trainers update, and the next weight sync waits for it, so every turn of a trajectory comes from
+one weight version (the version its staleness names)."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +21,7 @@ from megatron_rlhf.rollout.engines import stitched
 class InFlight:
     """A step's generation started ahead on the separate rollout group."""
 
-    refs: list  # the rollout ranks' result references
+    refs: list | Future  # the rollout ranks' result references; with tools, the driver thread's
     version: int  # the step whose weights the engines held when it started
     started_at: int  # the step whose update it overlaps
 
@@ -22,7 +29,8 @@ class InFlight:
 class GenerationAhead:
     """:class:`megatron_rlhf.trainers.rl.agent.PPORun`'s generation ahead. It uses the run's
     ``cfg``, ``rollout_group``, ``engine_version``, ``inflight``, ``update_spans``,
-    ``total_steps``, ``online_prompts`` and ``sampling``."""
+    ``total_steps``, ``online_prompts``, ``sampling``, ``tools``, ``ahead_thread`` and
+    ``_generate_ids``."""
 
     def staleness(self, step: int, version: int) -> dict[str, float]:
         """``rollout/staleness`` of a batch sampled by the weights of step ``version``, checked
@@ -43,9 +51,39 @@ class GenerationAhead:
         last = min(step + self.cfg.rollout.max_staleness, self.total_steps - 1)
         for ahead in range(step + 1, last + 1):
             if ahead not in self.inflight:
-                ids = [list(p.ids) for p in self.online_prompts(ahead)]
-                refs = self.rollout_group.submit(RolloutWorker.generate, ids, self.sampling(ahead))
+                prompts = self.online_prompts(ahead)
+                if self.tools is not None:
+                    refs = self._ahead_thread.submit(self._tool_trajectories, prompts, self.sampling(ahead))
+                else:
+                    refs = self.rollout_group.submit(RolloutWorker.generate, [list(p.ids) for p in prompts],
+                                                     self.sampling(ahead))
                 self.inflight[ahead] = InFlight(refs, self.engine_version, step)
+
+    @property
+    def _ahead_thread(self) -> ThreadPoolExecutor:
+        """One thread: the steps in flight run their rounds one after the other, in order."""
+        if self.ahead_thread is None:
+            self.ahead_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
+        return self.ahead_thread
+
+    def _tool_trajectories(self, prompts: list, params) -> dict:
+        """A step's tool trajectories on the rollout group (the driver's thread), their
+        ``tools/*`` metrics and when they ran."""
+        from megatron_rlhf.rollout.tool_turns import run_tool_turns
+        from megatron_rlhf.trainers.rl.sampler import tool_row
+
+        start = time.time()
+        gens, metrics = run_tool_turns(self._generate_ids, [list(p.ids) for p in prompts], params,
+                                       self.tools, [tool_row(p) for p in prompts],
+                                       [list(p.messages) for p in prompts])
+        return {"gens": gens, "metrics": metrics, "span": (start, time.time())}
+
+    def wait_ahead(self) -> None:
+        """With tools, before a weight sync: the trajectories started ahead finish every turn on
+        the weights they started with (the sync would otherwise land between two rounds)."""
+        for flight in self.inflight.values():
+            if isinstance(flight.refs, Future):
+                flight.refs.result()
 
     def take_ahead(self, step: int) -> dict | None:
         """The generations started ahead for ``step`` (with their staleness and overlap), or
@@ -55,20 +93,26 @@ class GenerationAhead:
             return None
         from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
 
-        per_replica = self.rollout_group._get(flight.refs, "generate")
-        spans = [s for s in self.rollout_group.call(RolloutWorker.span, self.sampling(step).seed) if s]
-        start, end = min(s[0] for s in spans), max(s[1] for s in spans)
+        if isinstance(flight.refs, Future):
+            done = flight.refs.result()
+            gens, extra, (start, end) = done["gens"], done["metrics"], done["span"]
+        else:
+            gens, extra = stitched(self.rollout_group._get(flight.refs, "generate")), {}
+            spans = [s for s in self.rollout_group.call(RolloutWorker.span, self.sampling(step).seed) if s]
+            start, end = min(s[0] for s in spans), max(s[1] for s in spans)
         update = self.update_spans.get(flight.started_at, (0.0, 0.0))
         overlap = max(0.0, min(end, update[1]) - max(start, update[0]))
-        return {"gens": stitched(per_replica), "timing/overlap": overlap,
-                "busy/rollout_seconds": end - start,
-                **self.staleness(step, flight.version)}
+        return {"gens": gens, "timing/overlap": overlap, "busy/rollout_seconds": end - start,
+                **extra, **self.staleness(step, flight.version)}
 
     def cancel_ahead(self) -> None:
         """Drop generations started ahead (a rollback or restore changes the weights they were
         meant to follow); their ranks finish them first, in order."""
         for flight in self.inflight.values():
-            self.rollout_group._get(flight.refs, "generate")
+            if isinstance(flight.refs, Future):
+                flight.refs.result()
+            else:
+                self.rollout_group._get(flight.refs, "generate")
         self.inflight.clear()
 
 
@@ -93,11 +137,19 @@ def dump_rollouts(folder: Path, step: int, episode, version: int) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     scores = episode.scored["score"].tolist()
-    # Multi-turn samples carry their mask: 1 on the policy's tokens, 0 on the environment's.
-    lines = [json.dumps({"step": step, "prompt_ids": list(episode.prompts[g.prompt_index].ids),
-                         "response_ids": g.tokens, "logprobs": g.logprobs, "score": score,
-                         "weight_version": version} | ({"mask": g.mask} if g.mask is not None else {}))
-             for g, score in zip(episode.gens, scores)]
+    turns = episode.scored.get("turns")
+    lines = []
+    for row, (g, score) in enumerate(zip(episode.gens, scores)):
+        line = {"step": step, "prompt_ids": list(episode.prompts[g.prompt_index].ids),
+                "response_ids": g.tokens, "logprobs": g.logprobs, "score": score, "weight_version": version}
+        if g.mask is not None:  # multi-turn: 1 on the policy's tokens, 0 on the environment's
+            line["mask"] = g.mask
+        if g.messages is not None:  # a tool trajectory's conversation
+            line["messages"] = g.messages
+        if turns is not None and g.turn_ends:  # each turn's reward (at its last token)
+            first = int(episode.batch["loss_mask"][row].nonzero()[0])
+            line["turn_rewards"] = [float(turns[row, first + end]) for end in g.turn_ends]
+        lines.append(json.dumps(line))
     path = folder / f"step_{step}.jsonl"
     path.with_suffix(".partial").write_text("\n".join(lines) + "\n")
     path.with_suffix(".partial").replace(path)

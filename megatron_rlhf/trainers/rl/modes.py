@@ -97,6 +97,7 @@ class Population:
                 gens = agent.generate(prompts, agent.sampling(step))
             with timer(f"reward/{name}"):
                 episodes[name] = _episode(agent, prompts, gens)
+            episodes[name].metrics |= agent.pop_tool_metrics()
         first = episodes[names[0]]
         scores = torch.cat([episodes[n].scored["score"] for n in names])
         groups = torch.cat([episodes[n].batch["group"] for n in names])

@@ -287,6 +287,9 @@ def shutdown(run: RLRun) -> None:
     """Close whatever exists (a failed set-up leaves part of it)."""
     if run.rewards is not None:
         run.rewards.close()
+    for agent in run.agents.values():
+        if agent.ahead_thread is not None:
+            agent.ahead_thread.shutdown(wait=True)
     if run.tools is not None:
         run.tools.close()
     if run.logger is not None:

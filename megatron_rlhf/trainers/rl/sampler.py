@@ -16,9 +16,16 @@ from megatron_rlhf.trainers.rl.policy import policy_is_moe
 from megatron_rlhf.trainers.rl.worker import PPOWorker
 
 
-def reward_calls(texts: list[str], prompts: list[Prompt]) -> list[tuple]:
-    """Reward-function arguments ``(response, ground_truth, prompt, extra)`` per response."""
-    return [(text, p.ground_truth, p.text, p.extra) for text, p in zip(texts, prompts)]
+def reward_calls(texts: list[str], prompts: list[Prompt],
+                 gens: list[Generation] | None = None) -> list[tuple]:
+    """Reward-function arguments ``(response, ground_truth, prompt, extra)`` per response; a
+    tool trajectory's conversation is ``extra["trajectory"]``."""
+    calls = []
+    for k, (text, p) in enumerate(zip(texts, prompts)):
+        messages = gens[k].messages if gens is not None else None
+        extra = p.extra if messages is None else {**p.extra, "trajectory": messages}
+        calls.append((text, p.ground_truth, p.text, extra))
+    return calls
 
 
 def tool_row(prompt: Prompt) -> dict:
