@@ -196,6 +196,11 @@ def _add_convert(jobs) -> None:
     to_hf.add_argument("--nproc-per-node", type=_count, default=1,
                        help="split the export over this many local processes (ignored under "
                             "torchrun/srun)")
+    from_peft = direction.add_parser("peft-to-mcore", help="PEFT LoRA folder + its HF base -> "
+                                     "a Megatron LoRA checkpoint")
+    from_peft.add_argument("--peft-dir", required=True, help="adapter_config.json + adapter_model.safetensors")
+    from_peft.add_argument("--hf-dir", required=True, help="the HF base model the adapter was trained on")
+    from_peft.add_argument("--out-dir", required=True)
 
 
 def _validate_before_launch(args) -> None:
@@ -223,6 +228,15 @@ def _validate_before_launch(args) -> None:
         check_parallel_for_model("parallel", config.parallel, arch)
         layout = layout_of(config.parallel).resolve(args.nproc_per_node, arch.shape)
         batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank, layout.dp)
+        return
+    if args.job == "convert" and args.direction == "peft-to-mcore":
+        from megatron_rlhf.convert.peft import check_named_base, peft_spec, read_peft
+
+        config = read_peft(args.peft_dir)[0]
+        peft_spec(config, args.peft_dir)
+        check_named_base(config, args.hf_dir, args.peft_dir)
+        read_hf_arch(args.hf_dir)
+        check_writable(args.out_dir)
         return
     if args.job == "convert" and args.direction == "mcore-to-hf":
         info = read_checkpoint_info(args.mcore_dir)  # any world size: every rank reads at tp=pp=1
@@ -285,7 +299,13 @@ def run(args) -> int:
         from megatron_rlhf.planning.command import run_plan
 
         return run_plan(args)
-    if args.job == "convert" and args.direction == "mcore-to-hf":
+    if args.job == "convert" and args.direction == "peft-to-mcore":
+        from megatron_rlhf.convert.checkpoints import peft_to_mcore
+
+        out = peft_to_mcore(args.peft_dir, args.hf_dir, args.out_dir)
+        if _rank() == 0:
+            print(f"wrote a LoRA checkpoint to {out}")
+    elif args.job == "convert" and args.direction == "mcore-to-hf":
         from megatron_rlhf.convert.checkpoints import mcore_to_hf
 
         out = mcore_to_hf(args.mcore_dir, args.out_dir, args.max_shard_size,

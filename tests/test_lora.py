@@ -234,3 +234,138 @@ def test_ppo_worker_with_lora_resumes_actor_and_critic_exactly(lora):
     # lr included (the critic's schedule decays), and bitwise the same adapters and head.
     assert results["ppo/resume_metrics_equal"] == 1.0
     assert results["ppo/resume_weights_bitwise"] == 1.0
+
+
+# --- PEFT -> our checkpoint (convert peft-to-mcore) ----------------------------------------------
+
+def _peft_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_peft_round_trip_through_our_checkpoint_is_bitwise(lora, tmp_path):
+    """The TP2+SP-trained adapters' PEFT folder -> our LoRA checkpoint (at TP1) -> PEFT again:
+    the same tensors, bitwise, and the same LoRA settings; the checkpoint merged into HF
+    weights gives the logits megatron had."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlhf.checkpoint.model_ckpt import read_checkpoint_info
+    from megatron_rlhf.cli import main
+
+    _, work, root = lora
+    source, ckpt = work / "peft_qwen2_policy", tmp_path / "ckpt"
+    assert main(["convert", "peft-to-mcore", "--peft-dir", str(source), "--hf-dir",
+                 str(root / "qwen2_policy"), "--out-dir", str(ckpt)]) == 0
+    assert read_checkpoint_info(ckpt).lora == LoRASpec(rank=4, alpha=8.0)
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(ckpt), "--out-dir",
+                 str(tmp_path / "again"), "--peft"]) == 0
+    before, after = _peft_tensors(source), _peft_tensors(tmp_path / "again")
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+    settings = ("r", "lora_alpha", "lora_dropout", "target_modules", "peft_type", "task_type")
+    first, second = (json.loads((f / "adapter_config.json").read_text()) for f in (source, tmp_path / "again"))
+    assert {k: first[k] for k in settings} == {k: second[k] for k in settings}
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(ckpt), "--out-dir", str(tmp_path / "hf")]) == 0
+    saved = torch.load(source / "megatron_logits.pt")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert (merged(saved["tokens"]).logits - saved["logits"]).abs().max().item() < 1e-5
+
+
+def _edited(source: Path, out: Path, config=None, tensors=None) -> Path:
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, out)
+    if config is not None:
+        values = json.loads((out / "adapter_config.json").read_text())
+        (out / "adapter_config.json").write_text(json.dumps({**values, **config}))
+    if tensors is not None:
+        save_file(tensors(_peft_tensors(out)), str(out / "adapter_model.safetensors"))
+    return out
+
+
+def _other_a(tensors: dict) -> dict:
+    key = next(k for k in tensors if "k_proj.lora_A" in k)
+    return {**tensors, key: tensors[key] + 1.0}
+
+
+@pytest.mark.parametrize("case,words", [
+    ("other_base", ("was trained on", "model_type='qwen2'", "model_type='llama'")),
+    ("other_shapes", ("does not fit this base", "lora_B of shape (64, 4), (32, 4), (32, 4)")),
+    ("own_a_per_part", ("each have their own lora_A", "merge_and_unload")),
+    ("q_and_v_only", ("target_modules has q_proj, v_proj but not k_proj", "linear_qkv")),
+    ("rslora", ("use_rslora=True", "plain LoRA")),
+    ("not_peft", ("is not a PEFT adapter folder: no adapter_config.json",)),
+])
+def test_a_peft_folder_that_cannot_load_is_one_clear_line_and_nothing_is_written(lora, tmp_path, capsys,
+                                                                                 case, words):
+    from megatron_rlhf.cli import main
+
+    _, work, root = lora
+    source, base = work / "peft_qwen2_policy", root / "qwen2_policy"
+    folder = {"other_base": lambda: source,  # its config names its base
+              "other_shapes": lambda: _edited(source, tmp_path / "p", config={"base_model_name_or_path": ""}),
+              "own_a_per_part": lambda: _edited(source, tmp_path / "p", tensors=_other_a),
+              "q_and_v_only": lambda: _edited(source, tmp_path / "p", config={
+                  "target_modules": ["q_proj", "v_proj", "o_proj"]}),
+              "rslora": lambda: _edited(source, tmp_path / "p", config={"use_rslora": True}),
+              "not_peft": lambda: root / "qwen2_policy"}[case]()
+    if case.startswith("other"):
+        base = root / "llama_policy"
+    out = tmp_path / "ckpt"
+    assert main(["convert", "peft-to-mcore", "--peft-dir", str(folder), "--hf-dir", str(base),
+                 "--out-dir", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and len(error.splitlines()) == 1, error
+    assert all(word in error for word in words), error
+    assert not out.exists() and not out.with_name("ckpt.partial").exists()
+
+
+def test_qwen3_peft_adapter_loads_merges_and_exports_back_bitwise(tmp_path):
+    """A PEFT adapter made by peft itself on a tiny Qwen3 (q/k/v and gate/up sharing their A, as
+    a fused adapter does): our checkpoint of it, merged into HF weights, gives PEFT's logits;
+    exported back it is the same tensors."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlhf.cli import main
+    from megatron_rlhf.models.tiny import make_tiny_model, tiny_config
+
+    base = tmp_path / "qwen3"
+    make_tiny_model(tiny_config("qwen3", "policy"), base, seed=7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_B") and "default" in module.lora_B:
+                module.lora_B["default"].weight.normal_(0, 0.1, generator=generator)
+                shared = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+                part = name.rsplit(".", 1)[-1]
+                if part in shared:
+                    first = model.get_submodule(name.rsplit(".", 1)[0] + "." + shared[part])
+                    module.lora_A["default"].weight.copy_(first.lora_A["default"].weight)
+    model.save_pretrained(tmp_path / "peft")
+    tokens = torch.randint(0, 250, (2, 11), generator=generator)
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                             tmp_path / "peft").eval()(tokens).logits
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()(tokens).logits
+    assert (expected - plain).abs().max() > 1e-2  # the adapter changes the model
+    assert main(["convert", "peft-to-mcore", "--peft-dir", str(tmp_path / "peft"), "--hf-dir",
+                 str(base), "--out-dir", str(tmp_path / "ckpt")]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "ckpt"), "--out-dir",
+                 str(tmp_path / "merged")]) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(tokens).logits
+    assert (merged - expected).abs().max().item() < 1e-5
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(tmp_path / "ckpt"), "--out-dir",
+                 str(tmp_path / "again"), "--peft"]) == 0
+    before, after = _peft_tensors(tmp_path / "peft"), _peft_tensors(tmp_path / "again")
+    assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)

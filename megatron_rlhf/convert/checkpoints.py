@@ -98,3 +98,32 @@ def mcore_to_peft(info, out: Path, groups) -> Path:
     export_peft(model, info.arch, groups, info.padded_vocab, info.lora, out)
     dist.barrier()
     return out
+
+
+def peft_to_mcore(peft_dir: str, hf_dir: str, out_dir: str) -> Path:
+    """A PEFT LoRA folder and its HF base -> one of our LoRA checkpoints (the base's weights with
+    the adapters beside them, as LoRA training saves them), which reloads at any layout and
+    trains on (``actor.model_path``, ``model.path``), scores, exports (``mcore-to-hf --peft``
+    gives the same tensors back, bitwise, when the base is float32). Built at TP1/PP1 on every
+    rank; an adapter for another base is refused before anything is written."""
+    from megatron_rlhf.convert.peft import check_named_base, load_peft_adapters, peft_spec, read_peft
+    from megatron_rlhf.convert.weights import load_hf_weights
+    from megatron_rlhf.models.builder import build_model
+    from megatron_rlhf.models.lora import apply_lora
+
+    config, tensors = read_peft(peft_dir)
+    spec = peft_spec(config, peft_dir)
+    check_named_base(config, hf_dir, peft_dir)
+    arch = read_hf_arch(hf_dir)
+    if arch.kind != "policy":
+        raise UserError(f"{hf_dir} is a {arch.kind} model; PEFT adapters load onto a policy (causal LM)")
+    check_writable(out_dir)
+    init_distributed()
+    groups = build_parallel_groups(ParallelLayout(), arch.shape)
+    reader = HFReader(hf_dir)
+    dtype, padded = reader.dtype(), padded_vocab_size(arch.vocab_size, 1)
+    model = build_model(arch, groups, dtype, padded)
+    load_hf_weights(model, reader, arch, groups, padded, progress=False)
+    apply_lora(model, spec)
+    load_peft_adapters(model, arch, groups, padded, tensors, peft_dir)
+    return save_model_checkpoint(model, out_dir, arch, padded, dtype, hf_dir, lora=spec)

@@ -1,9 +1,12 @@
-"""LoRA adapters of a (TP/PP-sharded) Megatron model -> a PEFT adapter folder for the HF model.
+"""LoRA adapters of a (TP/PP-sharded) Megatron model <-> a PEFT adapter folder for the HF model.
 
 PEFT adapts each HF linear on its own: ``q_proj``, ``k_proj``, ``v_proj`` and ``gate_proj``,
 ``up_proj`` where megatron fuses them. A fused adapter ``B @ A`` splits exactly: the parts share
 ``A`` and each takes its rows of ``B`` (the same rows the HF map takes from the fused weight), so
 ``B_q @ A`` is exactly the q rows of the fused term. Same rank and ``alpha``, so the same scale.
+Back (:func:`load_peft_adapters`): the parts' ``B`` rows fuse as the base weights do, and their
+``A`` must be one (a PEFT adapter trained elsewhere usually has one ``A`` per part, which a fused
+adapter of the same rank cannot hold: refused, with what to do instead).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.convert.mapping import COLS, REPLICATED, layer_offsets, rule_for, tp_unshard
+from megatron_rlhf.convert.mapping import (COLS, REPLICATED, layer_offsets, rule_for, tp_shard,
+                                           tp_unshard)
+from megatron_rlhf.errors import UserError
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.models.hf_config import ModelArch
-from megatron_rlhf.models.lora import LoRASpec, adapters
+from megatron_rlhf.models.lora import SUPPORTED_TARGETS, LoRASpec, adapters
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -89,8 +94,6 @@ def export_peft(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: in
     Policies only (a reward model's PEFT adapter also needs its head: not yet)."""
     from safetensors.torch import save_file
 
-    from megatron_rlhf.errors import UserError
-
     if arch.kind != "policy":
         raise UserError("PEFT export of LoRA adapters supports policies (causal LMs) only")
     tensors = gathered_adapters(model, arch, groups, padded_vocab)
@@ -102,3 +105,118 @@ def export_peft(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: in
               str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(adapter_config(spec, base_model), indent=2))
     return out
+
+
+# --- PEFT -> our adapters -------------------------------------------------------------------------
+PREFIX = "base_model.model."
+_TARGET_OF = {hf: target for target, parts in _HF_MODULES.items() for hf in parts}
+
+
+def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT folder's ``adapter_config.json`` and its tensors by module name (PEFT's
+    ``base_model.model.`` prefix removed); :class:`UserError` naming what is missing."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise UserError(f"{folder} is not a PEFT adapter folder: no {name}")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{folder / CONFIG_FILE} is not JSON: {err}") from None
+    tensors = {k.removeprefix(PREFIX): v for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
+    return config, tensors
+
+
+def peft_spec(config: dict, where: str) -> LoRASpec:
+    """The :class:`LoRASpec` of a PEFT ``LoraConfig`` our adapters can hold exactly."""
+    plain = {"peft_type": "LORA", "use_rslora": False, "use_dora": False, "bias": "none",
+             "fan_in_fan_out": False}
+    for key, want in plain.items():
+        if config.get(key, want) != want:
+            raise UserError(f"{where}: {key}={config.get(key)!r}; megatron-rlhf's adapters are plain "
+                            f"LoRA ({key}={want!r})")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        if config.get(key):
+            raise UserError(f"{where}: {key} is set; one rank and alpha for every adapted linear "
+                            "of every layer is what megatron-rlhf's adapters hold")
+    modules = config.get("target_modules") or []
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    unknown = [m for m in modules if m not in _TARGET_OF]
+    if unknown:
+        raise UserError(f"{where}: target_modules {unknown} are not linears megatron-rlhf adapts "
+                        f"(it adapts {', '.join(sorted(_TARGET_OF))})")
+    targets = {_TARGET_OF[m] for m in modules}
+    for target in sorted(targets):
+        absent = [m for m in _HF_MODULES[target] if m not in modules]
+        if absent:
+            raise UserError(f"{where}: target_modules has {', '.join(sorted(set(_HF_MODULES[target]) - set(absent)))} "
+                            f"but not {', '.join(absent)}: megatron fuses "
+                            f"{'/'.join(_HF_MODULES[target])} into {target}, whose adapter covers all of "
+                            "them (merge this adapter into its base instead: peft's merge_and_unload)")
+    return LoRASpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                    dropout=float(config.get("lora_dropout", 0.0)),
+                    target_modules=tuple(t for t in SUPPORTED_TARGETS if t in targets))
+
+
+SAME_BASE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def check_named_base(config: dict, hf_dir: str | Path, where: str) -> None:
+    """When ``base_model_name_or_path`` is a local folder, its config must describe the same
+    model as ``hf_dir``'s (a hub name cannot be checked offline: the shapes are, on load)."""
+    named = Path(config.get("base_model_name_or_path") or "")
+    if not str(named) or not (named / "config.json").is_file() or named.resolve() == Path(hf_dir).resolve():
+        return
+    theirs, ours = (json.loads((folder / "config.json").read_text()) for folder in (named, Path(hf_dir)))
+    differ = [k for k in SAME_BASE_KEYS if theirs.get(k) != ours.get(k)]
+    if differ:
+        k = differ[0]
+        raise UserError(f"{where} was trained on {named} ({k}={theirs.get(k)!r}), not on {hf_dir} "
+                        f"({k}={ours.get(k)!r}): load it onto its own base")
+
+
+def load_peft_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: int,
+                       tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Set ``model``'s adapters (built by ``apply_lora`` with :func:`peft_spec`) to a PEFT
+    folder's ``tensors``, cut for this rank. Every tensor must find its place, with its shape:
+    an adapter for another base says where it does not fit."""
+    offsets = layer_offsets(model)
+    used: set[str] = set()
+    for name, adapter in adapters(model):
+        rule = rule_for(f"{name}.weight", arch, padded_vocab, offsets)
+        modules = [hf.removesuffix(".weight") for hf in rule.hf_names]
+        a_parts, b_parts = ([_take(tensors, f"{m}.lora_{ab}.weight", where, used) for m in modules]
+                            for ab in "AB")
+        if any(not torch.equal(a_parts[0], a) for a in a_parts[1:]):
+            raise UserError(f"{where}: {', '.join(modules)} each have their own lora_A; megatron fuses "
+                            "them into one linear whose adapter has one A (merge this adapter into its "
+                            "base instead: peft's merge_and_unload)")
+        tp, rank = groups.layout.tp, groups.tp_rank
+        a = a_parts[0] if adapter.column else tp_shard(a_parts[0], COLS, rank, tp)
+        try:
+            b = tp_shard(rule.merge(b_parts), rule.tp_cut, rank, tp) if adapter.column else b_parts[0]
+        except (RuntimeError, ValueError):  # parts the base's head layout cannot fuse
+            b = None
+        for param, value, what in ((adapter.lora_a, a, "lora_A"), (adapter.lora_b, b, "lora_B")):
+            if value is None or param.shape != value.shape:
+                shapes = ", ".join(str(tuple(t.shape)) for t in (a_parts if what == "lora_A" else b_parts))
+                raise UserError(f"{where} does not fit this base: {'/'.join(modules)} {what} of "
+                                f"shape {shapes} cannot make the base's {name} adapter "
+                                f"{tuple(param.shape)} (an adapter for another model?)")
+            param.data.copy_(value.to(param.dtype))
+    left = sorted(set(tensors) - used)
+    if left and groups.layout.pp == 1:
+        raise UserError(f"{where} does not fit this base: {len(left)} tensor(s) adapt modules it does "
+                        f"not have or that are not targeted, e.g. {left[0]} (an adapter for another "
+                        "model?)")
+
+
+def _take(tensors: dict, key: str, where: str, used: set) -> torch.Tensor:
+    if key not in tensors:
+        raise UserError(f"{where} does not fit this base: no {key} (an adapter for another model, "
+                        "or with fewer layers?)")
+    used.add(key)
+    return tensors[key]
