@@ -19,13 +19,14 @@ PARITY = [run for run in RUNS if run[1] != "tp1"]
 
 
 @pytest.fixture(scope="module")
-def lora(tiny_models, tmp_path_factory):
+def lora(tiny_models, family_models, tmp_path_factory):
     from tests.tiny_models import build_task_workspace
 
     work = tmp_path_factory.mktemp("lora")
     root = next(iter(tiny_models.values())).parent
+    families = next(iter(family_models.values())).parent
     sft = build_task_workspace(work / "sft_workspace", train=64, val=8, seed=5)
-    return torchrun_results(SCRIPT, 2, root, work, sft, out=work / "results.json"), work, root
+    return torchrun_results(SCRIPT, 2, root, work, sft, families, out=work / "results.json"), work, root
 
 
 @pytest.mark.parametrize("model,layout", RUNS)
@@ -134,7 +135,7 @@ def test_peft_export_loads_in_peft_with_our_logits(lora, model, source):
     ("rank_wider_than_layer", ("lora.rank 65", "width 64")),
     ("mla_target", ("linear_kv_up_proj", "multi-latent attention", "linear_qkv")),
     ("unknown_target", ("'q_proj'", "linear_qkv, linear_fc1, linear_proj, linear_fc2")),
-    ("moe_experts", ("MoE experts", "linear_fc1")),
+    ("experts_etp2", ("routed experts", "expert tensor parallelism 1 (etp=2)")),
     ("twice", ("already carries LoRA adapters",)),
 ])
 def test_bad_settings_are_refused_with_one_clear_error(lora, case, words):
@@ -369,3 +370,22 @@ def test_qwen3_peft_adapter_loads_merges_and_exports_back_bitwise(tmp_path):
                  str(tmp_path / "again"), "--peft"]) == 0
     before, after = _peft_tensors(tmp_path / "peft"), _peft_tensors(tmp_path / "again")
     assert sorted(before) == sorted(after) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+MOE_RUNS = [("qwen3_moe", label) for label in ("ep2", "tp2sp_ep2", "pp2")] + [
+    ("deepseek_v3", label) for label in ("ep2", "pp2")]
+
+
+@pytest.mark.parametrize("model,layout", MOE_RUNS)
+def test_adapters_on_moe_experts_match_ep1(lora, model, layout):
+    """Adapters on attention, dense MLPs, shared and routed experts (each routed expert's adapter
+    with its expert, reduced over the expert-data-parallel ranks) of a tiny Qwen3-MoE and
+    DeepSeek-V3: three Adam steps at EP2, TP2+SP x EP2 and PP2 equal EP1's."""
+    results, key = lora[0], f"moe/{model}/{layout}"
+    assert results[f"moe/{model}/ep1/expert_adapters"] > 0 and results[f"{key}/expert_adapters"] > 0
+    assert results[f"{key}/adapters_change_the_model"] > 0.1  # B != 0: every adapter acts
+    assert results[f"{key}/ddp_params_are_adapters"] == 1.0
+    assert results[f"{key}/base_bitwise_unchanged"] == 1.0
+    assert results[f"{key}/logits_vs_tp1"] < 1e-5
+    assert results[f"{key}/grads_vs_tp1"] < 1e-5 and results[f"{key}/max_abs_grad"] > 1e-3
+    assert results[f"{key}/weights_vs_tp1"] < 1e-4  # Adam divides tiny gradients by their size

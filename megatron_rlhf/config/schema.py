@@ -41,8 +41,9 @@ class LoRAConfig:
     target_modules: list[str] = field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     """megatron-core names of the linears to adapt: ``linear_qkv`` (fused q/k/v), ``linear_proj``
-    (attention output), ``linear_fc1`` (fused gate/up), ``linear_fc2`` (down). Multi-latent
-    attention's projections and MoE experts are not supported yet."""
+    (attention output), ``linear_fc1`` (fused gate/up), ``linear_fc2`` (down); in MoE layers
+    ``linear_fc1``/``linear_fc2`` also name the shared and routed experts' (routed experts: with
+    ``etp`` 1). Multi-latent attention's q/kv projections are not supported yet."""
     init: str = "kaiming"
     """``A``'s initialisation (PEFT's names): ``kaiming`` (uniform, bound ``1/sqrt(in)``) or
     ``gaussian`` (std ``1/rank``)."""

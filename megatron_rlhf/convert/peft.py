@@ -47,6 +47,10 @@ def stage_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vocab:
     offsets = layer_offsets(model)
     out: dict[str, torch.Tensor] = {}
     for name, adapter in adapters(model):
+        if ".local_experts." in name:
+            raise UserError("PEFT export of routed experts' adapters is not built (transformers "
+                            "stores experts as fused 3-D parameters, which PEFT adapts through "
+                            "target_parameters); export the merged model instead (without --peft)")
         rule = rule_for(f"{name}.weight", arch, padded_vocab, offsets)
         a, b = getattr(adapter.lora_a, field), getattr(adapter.lora_b, field)
         if adapter.column:  # B's rows cut (and fused) as the base weight's rows

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -125,15 +126,18 @@ class LoRAAdapter(nn.Module):
     part, see the module docstring for which one is split).
     """
 
-    def __init__(self, base, spec: LoRASpec, key: str, column: bool, glu: bool = False):
+    def __init__(self, base, spec: LoRASpec, key: str, column: bool, glu: bool = False,
+                 expert: bool = False):
         super().__init__()
+        self.key = key  # the layout-free name that seeds A (a routed expert's: its global index)
         self.column = column
         self.glu = glu  # B's rows are fc1's [gate; up] halves, each cut over TP
         self.scale = spec.scale
         self.dropout = spec.dropout
         self.enabled = True
-        self.tp_group = base.tp_group
-        self.sequence_parallel = bool(base.sequence_parallel)
+        self.tp_group = base.tp_group  # a routed expert's: the expert-TP group (size 1, checked)
+        # A routed expert sees the tokens dispatched to it, whole: no sequence shard.
+        self.sequence_parallel = bool(base.sequence_parallel) and not expert
         tp, rank = self.tp_group.size(), self.tp_group.rank()
         weight = base.weight
         out_local, in_local = weight.shape
@@ -151,6 +155,10 @@ class LoRAAdapter(nn.Module):
         # Under sequence parallelism this parameter sees one sequence shard per rank: megatron's
         # finalize_model_grads sums its gradient over TP (as for norm weights).
         split_sequence.sequence_parallel = self.sequence_parallel
+        # A routed expert's adapter lives with its expert: megatron's DDP reduces its gradient
+        # over the expert-data-parallel ranks, as the expert's own weights (allreduce=False).
+        for param in (self.lora_a, self.lora_b):
+            param.allreduce = getattr(weight, "allreduce", True)
 
     def _drop(self, x: torch.Tensor, sharded: bool) -> torch.Tensor:
         """Dropout on the adapter's input; an input that differs across TP ranks (a sequence or
@@ -210,21 +218,31 @@ def _add_adapter_term(base, args, output):
     return y + adapter(args[0]).to(y.dtype), bias
 
 
+_LOCAL_EXPERT = re.compile(r"(.*\.experts)\.local_experts\.(\d+)\.(.+)")
+
+
 def _targets(layer, spec: LoRASpec):
-    """(path inside ``layer``, module, column?) for each linear of ``layer`` to adapt."""
+    """(path inside ``layer``, module, column?, the adapter's layout-free name) for each linear
+    of ``layer`` to adapt; a routed expert's name carries its global index (``mlp.experts.5.
+    linear_fc1``: the same adapter whichever expert-parallel rank holds it)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     for path, module in layer.named_modules():
         leaf = path.rsplit(".", 1)[-1]
         if leaf not in spec.target_modules:
             continue
-        if ".experts." in f".{path}." or "shared_experts" in path:
-            raise UserError(f"lora.target_modules: {leaf!r} of the MoE experts ({path}) is not "
-                            "supported yet; on MoE models target linear_qkv and linear_proj")
         if type(module) not in (ColumnParallelLinear, RowParallelLinear):
             raise UserError(f"LoRA needs megatron-core's local linear layers; {path} is a "
                             f"{type(module).__name__} (Transformer Engine layers: not yet)")
-        yield path, module, leaf in COLUMN_TARGETS
+        name, expert = path, _LOCAL_EXPERT.fullmatch(path)
+        if expert is not None:
+            experts = layer.get_submodule(expert.group(1))
+            if module.tp_group.size() > 1:
+                raise UserError(f"lora: adapters on routed experts ({path}) need expert tensor "
+                                f"parallelism 1 (etp={module.tp_group.size()}): set etp=1")
+            index = experts.ep_group.rank() * experts.num_local_experts + int(expert.group(2))
+            name = f"{expert.group(1)}.{index}.{expert.group(3)}"
+        yield path, module, leaf in COLUMN_TARGETS, name
 
 
 def _check_width(path: str, base, spec: LoRASpec, column: bool) -> None:
@@ -251,10 +269,10 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
                         "merge_adapters)")
     found = []
     for index, layer in enumerate(model.decoder.layers):
-        for path, base, column in list(_targets(layer, spec)):
+        for path, base, column, name in list(_targets(layer, spec)):
             _check_width(path, base, spec, column)
             found.append((f"decoder.layers.{index}.{path}", base, column,
-                          f"layers.{layer.layer_number - 1}.{path}"))
+                          f"layers.{layer.layer_number - 1}.{name}"))
     missing = set(spec.target_modules) - {name.rsplit(".", 1)[-1] for name, *_ in found}
     if missing and len(model.decoder.layers):
         mla = (" (multi-latent attention models: not supported yet)"
@@ -268,7 +286,8 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
         head.weight.requires_grad_(True)
     for name, base, column, key in found:
         glu = name.endswith("linear_fc1") and base.config.gated_linear_unit
-        base.adapter = LoRAAdapter(base, spec, key, column, glu)
+        expert = _LOCAL_EXPERT.fullmatch(name) is not None
+        base.adapter = LoRAAdapter(base, spec, key, column, glu, expert)
         base.adapter.hook = base.register_forward_hook(_add_adapter_term)
         base.sharded_state_dict = functools.partial(_sharded_state_dict, base)
     return [name for name, *_ in found]
