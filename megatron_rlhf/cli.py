@@ -233,9 +233,8 @@ def _validate_before_launch(args) -> None:
         from megatron_rlhf.convert.peft import check_named_base, peft_spec, read_peft
 
         config = read_peft(args.peft_dir)[0]
-        peft_spec(config, args.peft_dir)
+        peft_spec(config, args.peft_dir, mla=read_hf_arch(args.hf_dir).mla is not None)
         check_named_base(config, args.hf_dir, args.peft_dir)
-        read_hf_arch(args.hf_dir)
         check_writable(args.out_dir)
         return
     if args.job == "convert" and args.direction == "mcore-to-hf":

@@ -296,7 +296,7 @@ def sft_with_lora(workspace: Path, work: Path, results: dict) -> None:
 def refusals(root: Path, families: Path, results: dict) -> None:
     """Each bad setting raises one UserError naming the problem (on every rank)."""
     cases = {"rank_wider_than_layer": LoRASpec(rank=65),
-             "mla_target": LoRASpec(rank=2, target_modules=("linear_kv_up_proj",)),
+             "mla_target": LoRASpec(rank=2, target_modules=("linear_kv_up_proj",)),  # dense model
              "unknown_target": LoRASpec(rank=2, target_modules=("q_proj",))}
     for label, spec in cases.items():
         model, _, _ = from_hf(root / "qwen2_policy", (2, 1))
@@ -312,6 +312,12 @@ def refusals(root: Path, families: Path, results: dict) -> None:
         results["refused/twice"] = "accepted"
     except UserError as err:
         results["refused/twice"] = str(err)
+    model, _, _ = from_hf(families / "deepseek_v3", (1, 1))
+    try:
+        apply_lora(model, LoRASpec(rank=2))  # the dense default targets: no linear_qkv
+        results["refused/mla_model_default_targets"] = "accepted"
+    except UserError as err:
+        results["refused/mla_model_default_targets"] = str(err)
     model, _, _ = from_hf(families / "qwen3_moe", (2, 1, None, 1, 2),
                           options=ModelOptions(sequence_parallel=True))
     try:
@@ -323,14 +329,22 @@ def refusals(root: Path, families: Path, results: dict) -> None:
 
 # MoE: adapters on attention, dense MLPs, shared and routed experts; (tp, pp, dp, ep), 2 ranks.
 MOE_SPEC = {"qwen3_moe": SPEC,
-            # Multi-latent attention's projections are not adapted: its output projection is.
-            "deepseek_v3": LoRASpec(rank=4, alpha=8.0, seed=3,
-                                    target_modules=("linear_proj", "linear_fc1", "linear_fc2"))}
+            # Every linear of multi-latent attention, of the dense, shared and routed MLPs.
+            "deepseek_v3": LoRASpec(rank=4, alpha=8.0, seed=3, target_modules=(
+                "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+                "linear_kv_up_proj", "linear_proj", "linear_fc1", "linear_fc2"))}
 MOE_LAYOUTS = {"ep1": (1, 1), "ep2": (1, 1, None, 2), "tp2sp_ep2": (2, 1, None, 2), "pp2": (1, 2)}
 # DeepSeek-V3 at TP2 + SP is left out: its full-parameter gradients already differ from TP1's
 # (layer norms by ~1e-5 of 3e-3 after one step, forward equal to 2e-7; Qwen3-MoE: 1e-9), a gap of
 # the base model's stack that adapters would only inherit (docs/sft.md#lora).
-MOE_RUNS = {"qwen3_moe": list(MOE_LAYOUTS), "deepseek_v3": ["ep1", "ep2", "pp2"]}
+MOE_RUNS = {"qwen3_moe": list(MOE_LAYOUTS), "deepseek_v3": ["ep1", "ep2", "pp2", "tp2sp"],
+            "deepseek_v3_no_q_lora": ["ep1", "tp2sp"]}
+MOE_LAYOUTS["tp2sp"] = (2, 1)
+# Forward only (the adapted model at step 0, B random): MLA's adapters cut over TP2 (+SP).
+FORWARD_ONLY = {("deepseek_v3", "tp2sp"), ("deepseek_v3_no_q_lora", "ep1"),
+                ("deepseek_v3_no_q_lora", "tp2sp")}
+MOE_SPEC["deepseek_v3_no_q_lora"] = LoRASpec(rank=4, alpha=8.0, seed=3, target_modules=(
+    "linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"))
 
 
 def full_adapters(model, groups, field: str = "data") -> dict[str, torch.Tensor]:
@@ -358,6 +372,7 @@ def moe_layouts(families: Path, results: dict) -> None:
     tokens = batches()[0]["input_ids"]
     for name, spec in MOE_SPEC.items():
         reference: dict = {}
+        first: dict = {}  # the EP1 run's step-0 logits
         for label in MOE_RUNS[name]:
             layout = MOE_LAYOUTS[label]
             sp = layout[0] > 1
@@ -381,6 +396,12 @@ def moe_layouts(families: Path, results: dict) -> None:
             step0 = logits_of(model, groups, tokens, arch.vocab_size)
             results[f"{key}/adapters_change_the_model"] = max_over_world(
                 None if base is None else (step0 - base).abs().max().item())
+            first.setdefault("logits", step0)
+            results[f"{key}/step0_vs_ep1"] = max_over_world(
+                None if step0 is None or first["logits"] is None
+                else (step0 - first["logits"]).abs().max().item())
+            if (name, label) in FORWARD_ONLY:
+                continue
             trainable = make_trainable(model, groups, OPTIM, STEPS)
             buffered = {id(p) for buf in trainable.model.buffers + trainable.model.expert_parallel_buffers
                         for p in buf.params}

@@ -133,8 +133,10 @@ def test_peft_export_loads_in_peft_with_our_logits(lora, model, source):
 
 @pytest.mark.parametrize("case,words", [
     ("rank_wider_than_layer", ("lora.rank 65", "width 64")),
-    ("mla_target", ("linear_kv_up_proj", "multi-latent attention", "linear_qkv")),
-    ("unknown_target", ("'q_proj'", "linear_qkv, linear_fc1, linear_proj, linear_fc2")),
+    ("mla_target", ("this model has no linear_kv_up_proj", "linear_q_down_proj")),
+    ("mla_model_default_targets", ("this model has no linear_qkv", "a multi-latent attention model",
+                                   "linear_kv_down_proj")),
+    ("unknown_target", ("'q_proj'", "linear_qkv, linear_proj, linear_fc1, linear_fc2", "linear_kv_up_proj")),
     ("experts_etp2", ("routed experts", "expert tensor parallelism 1 (etp=2)")),
     ("twice", ("already carries LoRA adapters",)),
 ])
@@ -150,7 +152,6 @@ def test_bad_settings_are_refused_with_one_clear_error(lora, case, words):
     (LoRASpec(rank=4, alpha=0.0), "alpha must be > 0"),
     (LoRASpec(rank=4, dropout=1.0), "dropout must be in [0, 1)"),
     (LoRASpec(rank=4, init="pissa"), "init must be one of kaiming, gaussian"),
-    (LoRASpec(rank=4, target_modules=("linear_q_proj",)), "multi-latent attention"),
 ])
 def test_spec_checks(spec, words):
     with pytest.raises(UserError, match=None) as err:
@@ -327,21 +328,27 @@ def test_a_peft_folder_that_cannot_load_is_one_clear_line_and_nothing_is_written
     assert not out.exists() and not out.with_name("ckpt.partial").exists()
 
 
-def test_qwen3_peft_adapter_loads_merges_and_exports_back_bitwise(tmp_path):
+PEFT_TARGETS = {
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    # Multi-latent attention's linears (and the output projection); not the routed experts.
+    "deepseek_v3": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
+
+
+@pytest.mark.parametrize("family", list(PEFT_TARGETS))
+def test_peft_adapter_made_by_peft_loads_merges_and_exports_back_bitwise(tmp_path, family):
     """A PEFT adapter made by peft itself on a tiny Qwen3 (q/k/v and gate/up sharing their A, as
-    a fused adapter does): our checkpoint of it, merged into HF weights, gives PEFT's logits;
-    exported back it is the same tensors."""
+    a fused adapter does) and on a tiny DeepSeek-V3's multi-latent attention: our checkpoint of
+    it, merged into HF weights, gives PEFT's logits; exported back it is the same tensors."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from megatron_rlhf.cli import main
     from megatron_rlhf.models.tiny import make_tiny_model, tiny_config
 
-    base = tmp_path / "qwen3"
-    make_tiny_model(tiny_config("qwen3", "policy"), base, seed=7)
+    base = tmp_path / family
+    make_tiny_model(tiny_config(family, "policy"), base, seed=7)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
-        r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=PEFT_TARGETS[family]))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -389,3 +396,14 @@ def test_adapters_on_moe_experts_match_ep1(lora, model, layout):
     assert results[f"{key}/logits_vs_tp1"] < 1e-5
     assert results[f"{key}/grads_vs_tp1"] < 1e-5 and results[f"{key}/max_abs_grad"] > 1e-3
     assert results[f"{key}/weights_vs_tp1"] < 1e-4  # Adam divides tiny gradients by their size
+
+
+@pytest.mark.parametrize("model,layout", MOE_RUNS + [("deepseek_v3", "tp2sp"),
+                                                     ("deepseek_v3_no_q_lora", "tp2sp")])
+def test_adapted_moe_and_mla_models_compute_the_same_at_every_layout(lora, model, layout):
+    """Step 0, B random (every adapter acts): the adapted model's logits at EP2, TP2(+SP) x EP2,
+    PP2 equal EP1's; multi-latent attention's adapters (q down/up or q, kv down/up, output) cut
+    over TP2 with sequence parallelism included."""
+    results, key = lora[0], f"moe/{model}/{layout}"
+    assert results[f"{key}/adapters_change_the_model"] > 0.1
+    assert results[f"{key}/step0_vs_ep1"] < 1e-6

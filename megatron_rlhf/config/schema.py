@@ -43,7 +43,9 @@ class LoRAConfig:
     """megatron-core names of the linears to adapt: ``linear_qkv`` (fused q/k/v), ``linear_proj``
     (attention output), ``linear_fc1`` (fused gate/up), ``linear_fc2`` (down); in MoE layers
     ``linear_fc1``/``linear_fc2`` also name the shared and routed experts' (routed experts: with
-    ``etp`` 1). Multi-latent attention's q/kv projections are not supported yet."""
+    ``etp`` 1); multi-latent attention models (DeepSeek-V3) name theirs ``linear_q_proj`` or
+    ``linear_q_down_proj``/``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj``
+    and ``linear_proj`` (they have no ``linear_qkv``)."""
     init: str = "kaiming"
     """``A``'s initialisation (PEFT's names): ``kaiming`` (uniform, bound ``1/sqrt(in)``) or
     ``gaussian`` (std ``1/rank``)."""

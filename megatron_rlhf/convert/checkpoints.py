@@ -112,9 +112,9 @@ def peft_to_mcore(peft_dir: str, hf_dir: str, out_dir: str) -> Path:
     from megatron_rlhf.models.lora import apply_lora
 
     config, tensors = read_peft(peft_dir)
-    spec = peft_spec(config, peft_dir)
-    check_named_base(config, hf_dir, peft_dir)
     arch = read_hf_arch(hf_dir)
+    spec = peft_spec(config, peft_dir, mla=arch.mla is not None)
+    check_named_base(config, hf_dir, peft_dir)
     if arch.kind != "policy":
         raise UserError(f"{hf_dir} is a {arch.kind} model; PEFT adapters load onto a policy (causal LM)")
     check_writable(out_dir)

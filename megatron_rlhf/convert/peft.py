@@ -79,11 +79,16 @@ def gathered_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_voc
 
 _HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
                "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+# Multi-latent attention (DeepSeek-V3): one HF linear each.
+_MLA_HF_MODULES = {"linear_q_proj": ("q_proj",), "linear_q_down_proj": ("q_a_proj",),
+                   "linear_q_up_proj": ("q_b_proj",), "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+                   "linear_kv_up_proj": ("kv_b_proj",)}
 
 
 def adapter_config(spec: LoRASpec, base_model: str) -> dict:
     """PEFT's ``LoraConfig`` fields for ``spec`` (a causal-LM adapter)."""
-    targets = sorted(name for target in spec.target_modules for name in _HF_MODULES[target])
+    modules = {**_HF_MODULES, **_MLA_HF_MODULES}
+    targets = sorted(name for target in spec.target_modules for name in modules[target])
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
             "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
@@ -113,7 +118,6 @@ def export_peft(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: in
 
 # --- PEFT -> our adapters -------------------------------------------------------------------------
 PREFIX = "base_model.model."
-_TARGET_OF = {hf: target for target, parts in _HF_MODULES.items() for hf in parts}
 
 
 def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -133,8 +137,12 @@ def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def peft_spec(config: dict, where: str) -> LoRASpec:
-    """The :class:`LoRASpec` of a PEFT ``LoraConfig`` our adapters can hold exactly."""
+def peft_spec(config: dict, where: str, mla: bool = False) -> LoRASpec:
+    """The :class:`LoRASpec` of a PEFT ``LoraConfig`` our adapters can hold exactly (``mla``: for
+    a multi-latent attention base, whose ``q_proj`` is its own linear, not part of a fused one)."""
+    groups = ({k: v for k, v in _HF_MODULES.items() if k != "linear_qkv"} | _MLA_HF_MODULES
+              if mla else _HF_MODULES)
+    target_of = {hf: target for target, parts in groups.items() for hf in parts}
     plain = {"peft_type": "LORA", "use_rslora": False, "use_dora": False, "bias": "none",
              "fan_in_fan_out": False}
     for key, want in plain.items():
@@ -147,18 +155,19 @@ def peft_spec(config: dict, where: str) -> LoRASpec:
                             "of every layer is what megatron-rlhf's adapters hold")
     modules = config.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else list(modules)
-    unknown = [m for m in modules if m not in _TARGET_OF]
+    unknown = [m for m in modules if m not in target_of]
     if unknown:
         raise UserError(f"{where}: target_modules {unknown} are not linears megatron-rlhf adapts "
-                        f"(it adapts {', '.join(sorted(_TARGET_OF))})")
-    targets = {_TARGET_OF[m] for m in modules}
+                        f"(it adapts {', '.join(sorted(target_of))})")
+    targets = {target_of[m] for m in modules}
     for target in sorted(targets):
-        absent = [m for m in _HF_MODULES[target] if m not in modules]
+        parts = groups[target]
+        absent = [m for m in parts if m not in modules]
         if absent:
-            raise UserError(f"{where}: target_modules has {', '.join(sorted(set(_HF_MODULES[target]) - set(absent)))} "
-                            f"but not {', '.join(absent)}: megatron fuses "
-                            f"{'/'.join(_HF_MODULES[target])} into {target}, whose adapter covers all of "
-                            "them (merge this adapter into its base instead: peft's merge_and_unload)")
+            raise UserError(f"{where}: target_modules has {', '.join(sorted(set(parts) - set(absent)))} "
+                            f"but not {', '.join(absent)}: megatron fuses {'/'.join(parts)} into "
+                            f"{target}, whose adapter covers all of them (merge this adapter into its "
+                            "base instead: peft's merge_and_unload)")
     return LoRASpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                     dropout=float(config.get("lora_dropout", 0.0)),
                     target_modules=tuple(t for t in SUPPORTED_TARGETS if t in targets))

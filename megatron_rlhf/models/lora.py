@@ -42,12 +42,14 @@ from torch import nn
 
 from megatron_rlhf.errors import UserError
 
-COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
-ROW_TARGETS = ("linear_proj", "linear_fc2")
-SUPPORTED_TARGETS = COLUMN_TARGETS + ROW_TARGETS
-# megatron-core names LoRA does not cover yet: multi-latent attention's projections.
+DENSE_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# Multi-latent attention's projections: column-parallel in megatron's local spec (the down
+# projections' outputs are gathered by the attention module after the matmul).
 MLA_TARGETS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
                "linear_kv_down_proj", "linear_kv_up_proj")
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1") + MLA_TARGETS
+ROW_TARGETS = ("linear_proj", "linear_fc2")
+SUPPORTED_TARGETS = DENSE_TARGETS + MLA_TARGETS
 INITS = ("kaiming", "gaussian")
 
 
@@ -58,7 +60,7 @@ class LoRASpec:
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: tuple[str, ...] = SUPPORTED_TARGETS
+    target_modules: tuple[str, ...] = DENSE_TARGETS
     init: str = "kaiming"
     seed: int = 0  # seeds every adapter's A (with the layer's global name)
 
@@ -83,9 +85,6 @@ def check_spec(spec: LoRASpec, where: str = "lora") -> None:
         return
     supported = ", ".join(SUPPORTED_TARGETS)
     for target in spec.target_modules:
-        if target in MLA_TARGETS:
-            raise UserError(f"{where}.target_modules: {target!r} (multi-latent attention) is not "
-                            f"supported yet; supported: {supported}")
         if target not in SUPPORTED_TARGETS:
             raise UserError(f"{where}.target_modules: unknown module {target!r}; supported "
                             f"(megatron-core names): {supported}")
@@ -273,10 +272,17 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
             _check_width(path, base, spec, column)
             found.append((f"decoder.layers.{index}.{path}", base, column,
                           f"layers.{layer.layer_number - 1}.{name}"))
-    missing = set(spec.target_modules) - {name.rsplit(".", 1)[-1] for name, *_ in found}
+    present = {name.rsplit(".", 1)[-1] for name, *_ in found}
+    missing = set(spec.target_modules) - present
+    # MLA's queries come one way or the other (q_lora_rank set or not): either form will do.
+    if "linear_q_proj" in present:
+        missing -= {"linear_q_down_proj", "linear_q_up_proj"}
+    if "linear_q_down_proj" in present:
+        missing.discard("linear_q_proj")
     if missing and len(model.decoder.layers):
-        mla = (" (multi-latent attention models: not supported yet)"
-               if "linear_qkv" in missing else "")
+        mla = (" (a multi-latent attention model: its attention linears are linear_q_proj or "
+               "linear_q_down_proj and linear_q_up_proj, linear_kv_down_proj, linear_kv_up_proj, "
+               "linear_proj)" if "linear_qkv" in missing else "")
         raise UserError(f"lora.target_modules: this model has no {', '.join(sorted(missing))}"
                         f"{mla}; supported: {', '.join(SUPPORTED_TARGETS)}")
     head = getattr(model, "output_layer", None)
