@@ -24,7 +24,8 @@ from megatron_rlhf.models.hf_config import padded_vocab_size  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.planning.activations import Workload, decoder_saved_bytes  # noqa: E402
 from megatron_rlhf.planning.memory import train_state_bytes  # noqa: E402
-from megatron_rlhf.planning.params import rank_tensors  # noqa: E402
+from megatron_rlhf.models.lora import LoRASpec, apply_lora  # noqa: E402
+from megatron_rlhf.planning.params import rank_tensors, with_lora  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,6 +38,20 @@ STATE_CASES = {
         ("qwen2_policy", "dp2", (1, 1, None, 1), ("float32", "bfloat16")),
         ("qwen3_moe", "ep2_dp2", (1, 1, None, 2), ("float32",)),
         ("llama_policy", "pp2_tied", (1, 2, None, 1), ("float32",)),
+    )
+    for dtype in dtypes for dist_opt in (False, True)
+}
+# LoRA: the base frozen, adapters (and a value head) in DDP's buffers and the optimizer.
+LORA_ALL_DENSE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_MLA = ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+            "linear_proj", "linear_fc1", "linear_fc2")
+LORA_CASES = {
+    f"lora/{model}/{label}/{dtype}/{'dist' if dist_opt else 'plain'}": (model, layout, dtype, dist_opt, targets)
+    for model, label, layout, dtypes, targets in (
+        ("qwen2_policy", "dp2", (1, 1, None, 1), ("float32", "bfloat16"), LORA_ALL_DENSE),
+        ("qwen2_rm", "tp2", (2, 1, None, 1), ("float32",), LORA_ALL_DENSE),
+        ("qwen3_moe", "ep2_dp2", (1, 1, None, 2), ("float32",), LORA_ALL_DENSE),
+        ("deepseek_v3", "pp2", (1, 2, None, 1), ("bfloat16",), LORA_MLA),
     )
     for dtype in dtypes for dist_opt in (False, True)
 }
@@ -75,19 +90,25 @@ def _loss(output, batch):
     return output.float().square().mean(), {}
 
 
-def state_case(path: Path, layout: tuple, dtype: str, distributed: bool) -> dict:
+def state_case(path: Path, layout: tuple, dtype: str, distributed: bool,
+               lora: tuple[str, ...] | None = None) -> dict:
     arch = read_hf_arch(path)
     tp, pp, dp, ep = layout
     groups = layout_groups((tp, pp, dp, ep), arch.shape)
     torch_dtype = getattr(torch, dtype)
     padded = padded_vocab_size(arch.vocab_size, tp)
     model = build_model(arch, groups, torch_dtype, padded)
+    if lora:
+        apply_lora(model, LoRASpec(rank=4, target_modules=lora))
     trainable = make_trainable(model, groups, OptimConfig(lr=1e-4), 10, distributed)
     tokens = torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     train_step(trainable, [{"input_ids": tokens}], _loss)
     layout = groups.layout
+    tensors = rank_tensors(arch, layout, groups.pp_rank, padded_vocab=padded)
+    if lora:
+        tensors = with_lora(tensors, 4, lora, value_head=arch.kind == "value")
     planned = train_state_bytes(
-        rank_tensors(arch, layout, groups.pp_rank, padded_vocab=padded), layout.dp,
+        tensors, layout.dp,
         layout.tp * layout.dp // (layout.ep * layout.etp), torch_dtype.itemsize, distributed,
         ranks=(groups.dp_rank, dist.get_rank(groups.collection.expt_dp)))
     return {"measured": measured_state(trainable),
@@ -127,6 +148,11 @@ def main() -> None:
     results = {}
     for label, (name, layout, dtype, distributed) in STATE_CASES.items():
         result = state_case(where(name), layout, dtype, distributed)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result)
+        results[f"state/{label}"] = everyone
+    for label, (name, layout, dtype, distributed, targets) in LORA_CASES.items():
+        result = state_case(where(name), layout, dtype, distributed, targets)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, result)
         results[f"state/{label}"] = everyone

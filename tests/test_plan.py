@@ -141,3 +141,23 @@ def test_actor_lora_plans_no_reference_copy(tmp_path):
     assert _from_config(str(config), SimpleNamespace(gpus=8))[1].reference
     config.write_text("actor: {model_path: x, lora: {rank: 8}}\nalgorithm: {use_kl_in_reward: true}\n")
     assert not _from_config(str(config), SimpleNamespace(gpus=8))[1].reference
+
+
+@pytest.mark.parametrize("model,gpus", [("qwen3-235b-a22b", 16), ("deepseek-v3", 32)])
+def test_lora_plans_the_big_moe_models_on_a_few_nodes(capsys, model, gpus):
+    """LoRA rank 32 on every linear (experts and MLA included): layouts fit where none does
+    for full training, with gradients and optimizer state of the adapters alone."""
+    runs = {}
+    for rank in (0, 32):
+        code, out, _ = plan(capsys, "--model", MODELS / model, "--gpus", gpus, "--lora-rank", rank, "--json")
+        assert code == 0
+        runs[rank] = json.loads(out)["layouts"]
+    assert not any(p["fits"] for p in runs[0]) and any(p["fits"] for p in runs[32])
+    by_layout = {(p["tp"], p["pp"], p["ep"]): p["bytes_per_gpu"] for p in runs[0]}
+    for p in runs[32]:
+        full = by_layout[(p["tp"], p["pp"], p["ep"])]
+        terms = p["bytes_per_gpu"]
+        assert terms["weights"] > 0  # still held (exact bytes: tests/test_planner_memory.py)
+        assert terms["gradients"] < full["gradients"] / 20 and terms["optimizer"] < full["optimizer"] / 20
+    code, out, _ = plan(capsys, "--model", MODELS / model, "--gpus", gpus, "--lora-rank", 32, "--top", 1)
+    assert "LoRA rank 32 on" in out and "(megatron's local layers)" in out

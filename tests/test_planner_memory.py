@@ -25,8 +25,10 @@ def measured(tiny_models, family_models, tmp_path_factory):
 
 
 def test_weights_gradients_and_optimizer_state_are_exact(measured):
+    """Full training and LoRA (base frozen: adapters and a value head alone in the buffers and
+    the optimizer; dense, a reward model at TP2, MoE experts at EP2, MLA at PP2 in bf16)."""
     cases = {k: v for k, v in measured.items() if k.startswith("state/")}
-    assert len(cases) == 8
+    assert len(cases) == 8 + 10  # 10 of them LoRA runs
     for label, ranks in cases.items():
         for rank, case in enumerate(ranks):
             assert case["planned"] == case["measured"], (label, rank)
@@ -39,6 +41,11 @@ def test_weights_gradients_and_optimizer_state_are_exact(measured):
     assert bf16["optimizer"] == 1.5 * plain["optimizer"]
     first, last = measured["state/llama_policy/pp2_tied/float32/dist"]
     assert first["measured"]["weights"] != last["measured"]["weights"]
+    # LoRA keeps every weight (and adds the adapters) but gradients and optimizer state of the
+    # adapters alone.
+    lora = measured["state/lora/qwen2_policy/dp2/float32/plain"][0]["measured"]
+    assert lora["weights"] > plain["weights"]
+    assert lora["gradients"] < plain["gradients"] / 5 and lora["optimizer"] < plain["optimizer"] / 5
 
 
 @pytest.mark.parametrize("family", ["qwen2_policy", "qwen3_moe", "deepseek_v3"])

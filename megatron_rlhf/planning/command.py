@@ -35,6 +35,10 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--kernels", choices=("te", "local"), default="te",
                       help="te: Transformer Engine + flash attention (GPU); local: megatron's "
                            "local spec (CPU)")
+    plan.add_argument("--lora-rank", type=int, default=0,
+                      help="without --config: LoRA adapters of this rank on every linear the "
+                           "model has (experts and multi-latent attention included); a --config "
+                           "says its own (model.lora, actor.lora, critic.lora)")
     plan.add_argument("--top", type=int, default=10, help="layouts shown without --config")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--check", action="store_true",
@@ -77,6 +81,9 @@ def _from_config(path: str, args):
                   reference=bool(c.algorithm.use_kl_in_reward or a.use_kl_loss) and not a.lora.rank,
                   reward_model=bool(c.reward.model_path),
                   offload_during_rollout=a.offload.params,
+                  lora_rank=a.lora.rank, lora_targets=tuple(a.lora.target_modules),
+                  critic_lora_rank=c.critic.lora.rank,
+                  critic_lora_targets=tuple(c.critic.lora.target_modules),
                   rollout=Rollout(r.backend, r.tp, r.gpu_memory_utilization,
                                   max(rows * r.tp // args.gpus, 1),
                                   c.data.max_prompt_length + c.data.max_response_length,
@@ -91,7 +98,8 @@ def _from_config(path: str, args):
               global_batch=c.data.train_batch_size * pairs,
               recompute=c.parallel.recompute_granularity or "none",
               distributed_optimizer=c.parallel.use_distributed_optimizer,
-              param_bytes=4 if c.model.dtype == "float32" else 2)
+              param_bytes=4 if c.model.dtype == "float32" else 2,
+              lora_rank=c.model.lora.rank, lora_targets=tuple(c.model.lora.target_modules))
     return layout_of(c.parallel), run
 
 
@@ -159,8 +167,14 @@ def run_plan(args) -> int:
                             f"micro-batches of {run.micro_batch} over dp={layout.dp}")
         plans = rank([evaluate(arch, layout, hw, run)], hw, run)
     else:
+        from megatron_rlhf.models.lora import DENSE_TARGETS, MLA_TARGETS
+
+        if args.lora_rank < 0:
+            raise UserError(f"plan: --lora-rank={args.lora_rank} must be >= 0")
+        every = (MLA_TARGETS + DENSE_TARGETS[1:]) if arch.mla is not None else DENSE_TARGETS
         run = Run(seq=args.seq_len, micro_batch=args.micro_batch, global_batch=args.global_batch,
-                  recompute=args.recompute, **extra)
+                  recompute=args.recompute, lora_rank=args.lora_rank,
+                  lora_targets=every if args.lora_rank else (), **extra)
         layouts = candidate_layouts(arch, hw)
         if not layouts:
             raise UserError(f"plan: no layout of {arch.family} divides {args.gpus} GPUs")
@@ -172,9 +186,11 @@ def run_plan(args) -> int:
                           "gpus": hw.gpus, "gpu_mem_gib": hw.gpu_mem_gib, "job": run.job,
                           "layouts": [p.as_json() for p in plans]}, indent=1))
     else:
+        lora = (f", LoRA rank {run.lora_rank} on {', '.join(run.lora_targets)} (megatron's local "
+                "layers)" if run.lora_rank else "")
         print(f"{arch.family}: {model_params(arch) / 1e9:.2f}B parameters, "
               f"{active_params(arch) / 1e9:.2f}B active per token; {run.job} on {hw.gpus} GPUs "
-              f"({hw.gpus_per_node} per node)")
+              f"({hw.gpus_per_node} per node){lora}")
         shown = plans if args.config else plans[:args.top]
         print(_table(shown, hw))
         for i, p in enumerate(shown, 1):

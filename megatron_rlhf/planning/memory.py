@@ -114,10 +114,11 @@ def train_state_bytes(tensors: list[Tensor], dp: int, expert_dp: int, param_byte
     weights). ``offload``: megatron-core's ``optimizer_cpu_offload`` (fraction 1) keeps the
     optimizer state and main weights in host memory. ``ranks``: (data-parallel, expert
     data-parallel) rank whose optimizer share to count; default the largest share."""
-    dense = [t for t in tensors if not t.expert]
-    experts = [t for t in tensors if t.expert]
+    dense = [t for t in tensors if not t.expert and not t.frozen]
+    experts = [t for t in tensors if t.expert and not t.frozen]
     per_element = 4 * (ADAM_MOMENTS + (1 if param_bytes < 4 else 0))
-    weights = gradients = optimizer = 0
+    # A LoRA run's frozen base: held as built, outside DDP's buffers and the optimizer.
+    weights, gradients, optimizer = sum(t.numel for t in tensors if t.frozen) * param_bytes, 0, 0
     for which, (members, size) in enumerate(((dense, dp), (experts, expert_dp))):
         if not members:
             continue

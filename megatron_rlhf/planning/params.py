@@ -10,7 +10,7 @@ replicates them on every TP rank, the local spec splits them.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_rlhf.distributed.layout import ParallelLayout
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
@@ -28,16 +28,40 @@ class Tensor:
     part: str  # one of PARTS
     expert: bool = False  # a routed expert's: reduced over the expert data-parallel group
     shared_embedding: bool = False  # tied embedding on a pipeline end: its own DDP bucket
+    shape: tuple[int, int] | None = None  # a linear's weight: (out, in) on this rank
+    frozen: bool = False  # held, not trained (a LoRA run's base): no gradient, no optimizer state
 
 
 def _linear(name: str, out: int, inp: int, part: str, bias: bool = False, **kw) -> list[Tensor]:
-    items = [Tensor(f"{name}.weight", out * inp, part, **kw)]
+    items = [Tensor(f"{name}.weight", out * inp, part, shape=(out, inp), **kw)]
     return items + ([Tensor(f"{name}.bias", out, part, **kw)] if bias else [])
 
 
+def with_lora(tensors: list[Tensor], rank: int, targets: tuple[str, ...],
+              value_head: bool = False) -> list[Tensor]:
+    """A LoRA run's parameters on one rank: every base tensor frozen (``value_head``: a value
+    model's scalar head trains), and after each targeted linear (its weight, then its bias) its
+    adapter's ``A`` ``[rank, in]`` and ``B`` ``[out, rank]`` of this rank's weight shape (a
+    column-parallel base's split rows go to ``B``, a row-parallel one's split columns to ``A``),
+    in megatron's registration order; a routed expert's adapter is an expert parameter."""
+    after: dict[str, list[Tensor]] = {}  # tensor name -> the adapter registered right after it
+    names = {t.name for t in tensors}
+    for t in tensors:
+        leaf = t.name.rsplit(".", 2)[-2] if t.shape is not None else None
+        if leaf in targets:
+            module = t.name.removesuffix(".weight")
+            adapter = [Tensor(f"{module}.adapter.lora_a", rank * t.shape[1], t.part, t.expert),
+                       Tensor(f"{module}.adapter.lora_b", t.shape[0] * rank, t.part, t.expert)]
+            after[f"{module}.bias" if f"{module}.bias" in names else t.name] = adapter
+    out = []
+    for t in tensors:
+        out.append(replace(t, frozen=not (value_head and t.name == "output_layer.weight")))
+        out += after.get(t.name, [])
+    return out
+
+
 def _attention(arch: ModelArch, tp: int, te: bool) -> list[Tensor]:
-    return [Tensor(f"self_attention.{t.name}", t.numel, t.part)
-            for t in _attention_tensors(arch, tp, te)]
+    return [replace(t, name=f"self_attention.{t.name}") for t in _attention_tensors(arch, tp, te)]
 
 
 def _attention_tensors(arch: ModelArch, tp: int, te: bool) -> list[Tensor]:
@@ -103,7 +127,7 @@ def rank_tensors(arch: ModelArch, layout: ParallelLayout, stage: int, te: bool =
                             shared_embedding=tied_copy))
     first, count = layout.stage_of(arch.num_layers, stage)
     for index in range(first, first + count):
-        items += [Tensor(f"decoder.layers.{index - first}.{t.name}", t.numel, t.part, t.expert)
+        items += [replace(t, name=f"decoder.layers.{index - first}.{t.name}")
                   for t in layer_tensors(arch, index, layout, te)]
     if last:
         items.append(Tensor("decoder.final_layernorm.weight", h, "norms"))

@@ -19,7 +19,7 @@ from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
 from megatron_rlhf.planning.activations import (Workload, decoder_saved_bytes, kv_bytes_per_token,
                                                 logits_bytes, recompute_working_bytes)
 from megatron_rlhf.planning.memory import train_state_bytes
-from megatron_rlhf.planning.params import RankParams, model_params, rank_tensors
+from megatron_rlhf.planning.params import RankParams, model_params, rank_tensors, with_lora
 
 GIB = 2 ** 30
 
@@ -62,6 +62,12 @@ class Run:
     reward_model: bool = False
     rollout: Rollout | None = None
     offload_during_rollout: bool = False
+    # LoRA (0: full training): the trained model's and the critic's adapters (megatron's local
+    # layers: adapters need them, so the planner counts those, whatever ``kernels`` says).
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    critic_lora_rank: int = 0
+    critic_lora_targets: tuple[str, ...] = ()
 
 
 @dataclass
@@ -93,8 +99,11 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
                  run: Run) -> tuple[dict[str, float], int]:
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     expert_dp = layout.tp * layout.dp // (layout.ep * layout.etp)
-    te = run.kernels == "te"  # Transformer Engine's specs replicate MLA's down projections
+    # Transformer Engine's specs replicate MLA's down projections; LoRA runs on the local spec.
+    te = run.kernels == "te" and not (run.lora_rank or run.critic_lora_rank)
     tensors = rank_tensors(arch, layout, stage, te, padded)
+    if run.lora_rank:
+        tensors = with_lora(tensors, run.lora_rank, run.lora_targets, arch.kind == "value")
     state = train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes,
                               run.distributed_optimizer, run.optimizer_offload)
     variants = {name: train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes, dist_opt,
@@ -117,7 +126,10 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
                           for name, s in variants.items()}
     value = replace(arch, kind="value")
     if run.critic:
-        critic = train_state_bytes(rank_tensors(value, layout, stage, te, padded),
+        values = rank_tensors(value, layout, stage, te, padded)
+        if run.critic_lora_rank:
+            values = with_lora(values, run.critic_lora_rank, run.critic_lora_targets, True)
+        critic = train_state_bytes(values,
                                    layout.dp, expert_dp, run.param_bytes,
                                    run.distributed_optimizer, run.optimizer_offload)
         terms["critic"] = critic.weights + critic.gradients + critic.optimizer
