@@ -407,3 +407,52 @@ def test_adapted_moe_and_mla_models_compute_the_same_at_every_layout(lora, model
     results, key = lora[0], f"moe/{model}/{layout}"
     assert results[f"{key}/adapters_change_the_model"] > 0.1
     assert results[f"{key}/step0_vs_ep1"] < 1e-6
+
+
+@pytest.mark.slow
+def test_ab_test_takes_a_peft_folder_on_its_base(lora, tmp_path):
+    """A PEFT adapter folder (made by peft on the task's tiny policy, its base named in
+    adapter_config.json) as ``ab-test --policy-a``: greedy, it answers exactly as peft's own
+    merge of it (every pair ties), and not as the base does; a folder whose base is not here is
+    one line."""
+    import json
+    import subprocess
+    import sys
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    workspace = lora[1] / "sft_workspace"
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(workspace / "base"), LoraConfig(
+        r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_B") and "default" in module.lora_B:
+                module.lora_B["default"].weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+                if name.endswith(("k_proj", "v_proj")):  # one A for the fused q/k/v adapter
+                    q = model.get_submodule(name.rsplit(".", 1)[0] + ".q_proj")
+                    module.lora_A["default"].weight.copy_(q.lora_A["default"].weight)
+    model.save_pretrained(tmp_path / "peft")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    AutoTokenizer.from_pretrained(workspace / "base").save_pretrained(tmp_path / "merged")
+
+    def ab(out, a, b):
+        return subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", "ab-test", "--policy-a", str(a),
+                               "--policy-b", str(b), "--prompts", str(workspace / "data" / "prompts_val.parquet"),
+                               "--samples-per-prompt", "1", "--max-new-tokens", "8", "--temperature", "0",
+                               "--judge", "fn:addition", "--num-resamples", "50", "--out", str(out)],
+                              capture_output=True, text=True, timeout=600)
+
+    for label, other, ties in (("merged", tmp_path / "merged", True), ("base", workspace / "base", False)):
+        proc = ab(tmp_path / f"ab_{label}", tmp_path / "peft", other)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(tmp_path / f"ab_{label}" / "pairs.parquet").to_pylist()
+        same = [r["response_a"] == r["response_b"] for r in rows]
+        assert all(same) if ties else not all(same), label
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/absent"}))
+    proc = ab(tmp_path / "absent", tmp_path / "peft", workspace / "base")
+    assert proc.returncode == 2 and "org/absent" in proc.stderr and "peft-to-mcore" in proc.stderr
+    assert not (tmp_path / "absent").exists()

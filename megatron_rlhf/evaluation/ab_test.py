@@ -31,6 +31,7 @@ import torch
 
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, check_writable, read_checkpoint_info
 from megatron_rlhf.convert.checkpoints import read_hf_arch
+from megatron_rlhf.convert.peft import is_peft_folder, peft_base
 from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.data.prompts import Prompt, load_prompts
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout
@@ -87,6 +88,9 @@ def _resolve(flag: str, path: str) -> ModelSource:
     if (root / META_FILE).is_file():
         info = read_checkpoint_info(root)
         return ModelSource(flag, root, info.arch, info.hf_dir, info.dtype)
+    if is_peft_folder(root):  # loaded onto its base, merged (trainers.rl.policy.load_policy)
+        base = peft_base(root, flag)
+        return ModelSource(flag, root, read_hf_arch(base), base, HFReader(base).dtype())
     if (root / "config.json").is_file():
         try:
             return ModelSource(flag, root, read_hf_arch(root), root, HFReader(root).dtype())

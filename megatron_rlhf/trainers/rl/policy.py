@@ -19,6 +19,7 @@ from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
+from megatron_rlhf.convert.peft import is_peft_folder, load_peft_policy, peft_base
 from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
@@ -32,6 +33,9 @@ def policy_files(path: str):
     if (Path(path) / META_FILE).is_file():
         info = read_checkpoint_info(path)
         return info.arch, info.hf_dir
+    if is_peft_folder(path):
+        base = peft_base(path, "actor.model_path")
+        return read_hf_arch(base), base
     if not (Path(path) / "config.json").is_file():
         raise UserError(f"actor.model_path: {path} is neither a megatron_rlhf checkpoint nor a "
                         "Hugging Face model folder")
@@ -46,8 +50,11 @@ def policy_is_moe(path: str) -> bool:
 
 
 def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype, options=None):
-    """(model, arch, hf_dir, padded vocab) from an HF causal LM or a megatron_rlhf checkpoint
-    (a LoRA checkpoint's adapters come merged into the weights)."""
+    """(model, arch, hf_dir, padded vocab) from an HF causal LM, a megatron_rlhf checkpoint or a
+    PEFT adapter folder on its local base (a LoRA checkpoint's or PEFT folder's adapters come
+    merged into the weights)."""
+    if is_peft_folder(path):
+        return load_peft_policy(path, groups, dtype, options)
     if (Path(path) / META_FILE).is_file():
         info = read_checkpoint_info(path)
         if info.arch.kind != "policy":
