@@ -155,29 +155,6 @@ def peft_base(folder: str | Path, flag: str) -> Path:
     return Path(named)
 
 
-def load_peft_policy(folder: str | Path, groups: ParallelGroups, dtype: torch.dtype, options=None):
-    """(model, arch, base folder, padded vocab): a PEFT adapter folder's base with the adapter
-    merged into its weights (as a LoRA checkpoint loads for another job)."""
-    from megatron_rlhf.checkpoint.hf_io import HFReader
-    from megatron_rlhf.convert.checkpoints import read_hf_arch
-    from megatron_rlhf.convert.weights import load_hf_weights
-    from megatron_rlhf.models.builder import build_model
-    from megatron_rlhf.models.hf_config import padded_vocab_size
-    from megatron_rlhf.models.lora import apply_lora, merge_adapters
-
-    base = peft_base(folder, "model path")
-    config, tensors = read_peft(folder)
-    arch = read_hf_arch(base)
-    spec = peft_spec(config, str(folder), mla=arch.mla is not None)
-    padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
-    model = build_model(arch, groups, dtype, padded, options)
-    load_hf_weights(model, HFReader(base), arch, groups, padded, progress=False)
-    apply_lora(model, spec)
-    load_peft_adapters(model, arch, groups, padded, tensors, str(folder))
-    merge_adapters(model)
-    return model, arch, base, padded
-
-
 def peft_spec(config: dict, where: str, mla: bool = False) -> LoRASpec:
     """The :class:`LoRASpec` of a PEFT ``LoraConfig`` our adapters can hold exactly (``mla``: for
     a multi-latent attention base, whose ``q_proj`` is its own linear, not part of a fused one)."""

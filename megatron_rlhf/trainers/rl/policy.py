@@ -19,7 +19,7 @@ from megatron_rlhf.checkpoint.hf_io import HFReader
 from megatron_rlhf.checkpoint.model_ckpt import META_FILE, load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.config.ppo_schema import PPOConfig
 from megatron_rlhf.convert.checkpoints import read_hf_arch
-from megatron_rlhf.convert.peft import is_peft_folder, load_peft_policy, peft_base
+from megatron_rlhf.convert.peft import is_peft_folder, peft_base
 from megatron_rlhf.convert.weights import load_hf_weights
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.errors import UserError
@@ -68,6 +68,25 @@ def load_policy(path: str, groups: ParallelGroups, dtype: torch.dtype, options=N
     model = build_model(arch, groups, dtype, padded, options)
     load_hf_weights(model, HFReader(path), arch, groups, padded, progress=False)
     return model, arch, Path(path), padded
+
+
+def load_peft_policy(folder: str | Path, groups: ParallelGroups, dtype: torch.dtype, options=None):
+    """(model, arch, base folder, padded vocab): a PEFT adapter folder's base with the adapter
+    merged into its weights (as a LoRA checkpoint loads for another job)."""
+    from megatron_rlhf.convert.peft import load_peft_adapters, peft_spec, read_peft
+    from megatron_rlhf.models.lora import apply_lora, merge_adapters
+
+    base = peft_base(folder, "model path")
+    config, tensors = read_peft(folder)
+    arch = read_hf_arch(base)
+    spec = peft_spec(config, str(folder), mla=arch.mla is not None)
+    padded = padded_vocab_size(arch.vocab_size, groups.layout.tp)
+    model = build_model(arch, groups, dtype, padded, options)
+    load_hf_weights(model, HFReader(base), arch, groups, padded, progress=False)
+    apply_lora(model, spec)
+    load_peft_adapters(model, arch, groups, padded, tensors, str(folder))
+    merge_adapters(model)
+    return model, arch, base, padded
 
 
 def reference_policy(cfg: PPOConfig, policy, padded: int, groups: ParallelGroups,
