@@ -63,7 +63,8 @@ def _cfg(*overrides):
     (["multi_agent.mode=proposer-solver"], "scores each agent on its own"),
     (["multi_agent.proposer=zed"], "multi_agent.proposer='zed' is not an agent"),
     (["algorithm.filter_groups.enable=true"], "not supported with multi_agent.mode=population"),
-    (["rollout.tools=[{name: calculator}]"], "rollout.tools is not supported with multi_agent.mode"),
+    (["multi_agent.mode=critique-revise", "algorithm.adv_estimator=grpo", "actor.policy_loss=vanilla",
+      "rollout.tools=[{name: calculator}]"], "rollout.tools is not supported with multi_agent.mode=critique-revise"),
     (["resource_pool.critic=separate", "multi_agent.mode=solo"], "for one agent"),
     (["reward.model_path=rm", "agents.1.reward_model_path=rm_b"], "needs one preference model"),
     (["agents.1.reward_model_path=rm_b"], "needs one preference model"),  # b an RM, a none
