@@ -176,6 +176,9 @@ class Scripted:
     def generate(self, prompts, params, turns=1):
         return self._generate_ids([list(p.ids) for p in prompts], params)
 
+    def pop_tool_metrics(self):
+        return {}  # no tools
+
     def scores(self, prompts, gens, batch):
         from megatron_rlhf.trainers.rl.agent import _last_turn
 
