@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,15 +82,13 @@ def test_no_network_local_or_public(sandbox):
             "        s.connect(address)\n        print(address, 'connected')\n"
             "    except OSError as e:\n        print(address, e.errno)\n"
             "import subprocess\nprint(open('/proc/net/dev').read().count(':'))")
-    start = time.perf_counter()
     run = run_python(code, LIMITS, sandbox)
     # Isolation: its own network namespace, where even loopback is down: our listener is not
     # reached (ECONNREFUSED or ENETUNREACH) and public addresses have no route (ENETUNREACH, at
-    # once: no packet is sent, no 3 s timeout waited).
+    # once: no packet is sent; a 3 s timeout would say "timed out", not 101).
     lines = run.output.splitlines()
     assert lines[0] in (f"('127.0.0.1', {port}) 111", f"('127.0.0.1', {port}) 101"), run.output
     assert lines[1:3] == ["('1.1.1.1', 53) 101", "('8.8.8.8', 443) 101"], run.output
-    assert time.perf_counter() - start < 3
     with pytest.raises(BlockingIOError):
         server.accept()  # nothing ever connected
     server.close()
@@ -98,7 +97,7 @@ def test_no_network_local_or_public(sandbox):
 
 def test_a_fork_bomb_hits_the_process_limit(sandbox):
     code = ("import os, time\nn = 0\ntry:\n    for _ in range(1000):\n        if os.fork() == 0:\n"
-            "            time.sleep(5)\n            os._exit(0)\n        n += 1\n"
+            "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
             "except OSError as e:\n    print('stopped after', n, e.errno)")
     start = time.perf_counter()
     run = run_python(code, LIMITS, sandbox)
@@ -106,17 +105,18 @@ def test_a_fork_bomb_hits_the_process_limit(sandbox):
     # code ends, bwrap's PID namespace takes its sleeping children down with it.
     assert run.output.startswith("stopped after ") and run.output.split()[-1] == "11", run.output
     assert int(run.output.split()[2]) < LIMITS.processes
-    assert time.perf_counter() - start < 4
+    assert not run.timed_out and time.perf_counter() - start < 30  # not waited for (60 s each)
 
 
 def test_an_endless_loop_hits_the_cpu_limit_and_a_sleeper_the_wall_clock(sandbox):
-    run = run_python("while True:\n    pass", LIMITS, sandbox)
+    # A wall-clock limit far above the CPU limit: SIGXCPU comes first however loaded the machine.
+    run = run_python("while True:\n    pass", replace(LIMITS, wall_s=120), sandbox)
     assert run.signal == 24 and not run.timed_out  # SIGXCPU: RLIMIT_CPU (2 s)
-    assert LIMITS.cpu_s <= run.seconds < LIMITS.wall_s
+    assert LIMITS.cpu_s <= run.seconds
     start = time.perf_counter()
     run = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.5), sandbox)
     assert run.timed_out and run.exit_code is None  # the wall-clock timeout killed the group
-    assert time.perf_counter() - start < 4
+    assert time.perf_counter() - start < 30  # long before the 60 s sleep ends
 
 
 def test_memory_and_file_size_limits(sandbox):
@@ -130,11 +130,11 @@ def test_memory_and_file_size_limits(sandbox):
 
 
 def test_megabytes_of_output_are_cut_to_the_budget_quickly(sandbox):
-    start = time.perf_counter()
-    run = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", LIMITS, sandbox)
-    # The output cap: read incrementally, the process killed once past it.
+    run = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)",
+                     replace(LIMITS, wall_s=120), sandbox)
+    # The output cap: read incrementally, the process killed once past it (not by the clock).
     assert run.truncated and len(run.output) == LIMITS.output_bytes and set(run.output) == {"x"}
-    assert time.perf_counter() - start < 2
+    assert not run.timed_out
 
 
 def test_the_python_tool_reports_each_stop_to_the_policy(sandbox):
