@@ -84,6 +84,21 @@ def adapter_ids(model) -> set[int]:
     return {id(p) for _, a in adapters(model) for p in (a.lora_a, a.lora_b)}
 
 
+def ddp_holds_adapters(trainable, model) -> float:
+    """1.0 when megatron's DDP buffers (dense and expert) hold exactly the adapters."""
+    ddp = trainable.model
+    buffered = {id(p) for buf in ddp.buffers + ddp.expert_parallel_buffers for p in buf.params}
+    return float(buffered == adapter_ids(model))
+
+
+def unchanged_everywhere(model, frozen: dict) -> float:
+    """1.0 when every frozen parameter equals its copy in ``frozen`` bitwise, on every rank."""
+    same = all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
+    flag = torch.tensor([float(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return flag.item()
+
+
 def run_layout(root: Path, name: str, label: str, results: dict, reference: dict) -> None:
     (tp, pp), sp, distopt = LAYOUTS[label]
     model, groups, arch = from_hf(root / name, (tp, pp), options=ModelOptions(sequence_parallel=sp))
@@ -97,16 +112,12 @@ def run_layout(root: Path, name: str, label: str, results: dict, reference: dict
     results[f"{key}/step0_vs_base"] = max_over_world(
         None if base is None else (step0 - base).abs().max().item())
     trainable = make_trainable(model, groups, OPTIM, STEPS, distributed_optimizer=distopt)
-    buffered = {id(p) for buf in trainable.model.buffers for p in buf.params}
-    results[f"{key}/ddp_params_are_adapters"] = float(buffered == adapter_ids(model))
+    results[f"{key}/ddp_params_are_adapters"] = ddp_holds_adapters(trainable, model)
     results[f"{key}/optimizer_numel_minus_expected"] = float(
         optimizer_numel(trainable, distopt) - expected_trainable(arch, tp, pp))
     for _ in range(STEPS):
         train_step(trainable, batches(), mean_loss(arch.vocab_size, groups))
-    unchanged = all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
-    flag = torch.tensor([float(unchanged)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    results[f"{key}/base_bitwise_unchanged"] = flag.item()
+    results[f"{key}/base_bitwise_unchanged"] = unchanged_everywhere(model, frozen)
     trained = {"logits": logits_of(model, groups, tokens, arch.vocab_size),
                "weights": gathered_adapters(model, arch, groups, padded)}
     if not distopt:  # the distributed optimizer leaves only each rank's gradient shard reduced
@@ -366,6 +377,18 @@ def full_adapters(model, groups, field: str = "data") -> dict[str, torch.Tensor]
     return {k: v for part in everyone for k, v in part.items()}
 
 
+def random_b(adapter) -> None:
+    """A full B drawn from the adapter's layout-free key, this rank's rows of it (a column
+    adapter's B is cut over TP as its base's rows): every layout gets the same adapter."""
+    rows = adapter.lora_b.shape[0] * (adapter.tp_group.size() if adapter.column else 1)
+    generator = torch.Generator().manual_seed(zlib.crc32(adapter.key.encode()))
+    full = torch.empty(rows, adapter.lora_b.shape[1]).normal_(0, 0.02, generator=generator)
+    if adapter.column:
+        full = tp_shard(full, GLU_ROWS if adapter.glu else ROWS, adapter.tp_group.rank(),
+                        adapter.tp_group.size())
+    adapter.lora_b.data.copy_(full)
+
+
 def moe_layouts(families: Path, results: dict) -> None:
     """Tiny Qwen3-MoE and DeepSeek-V3 with adapters on their experts: three Adam steps at EP2,
     TP2+SP x EP2 and PP2 equal EP1 (logits, adapter weights and gradients), only adapters train."""
@@ -384,15 +407,8 @@ def moe_layouts(families: Path, results: dict) -> None:
             results[f"{key}/expert_adapters"] = float(max_over_world(
                 sum(".local_experts." in n for n in adapted)))
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-            for _, adapter in adapters(model):  # B != 0, so the experts' adapters act from step 0
-                adapter.lora_b.data.normal_(0, 0.02, generator=torch.Generator().manual_seed(
-                    zlib.crc32(adapter.key.encode())))
-                if adapter.column and adapter.tp_group.size() > 1:  # this rank's rows of that B
-                    full = torch.empty(adapter.lora_b.shape[0] * adapter.tp_group.size(),
-                                       adapter.lora_b.shape[1]).normal_(0, 0.02, generator=torch.Generator(
-                                           ).manual_seed(zlib.crc32(adapter.key.encode())))
-                    adapter.lora_b.data.copy_(tp_shard(full, GLU_ROWS if adapter.glu else ROWS,
-                                                       adapter.tp_group.rank(), adapter.tp_group.size()))
+            for _, adapter in adapters(model):  # B != 0, so every adapter acts from step 0
+                random_b(adapter)
             step0 = logits_of(model, groups, tokens, arch.vocab_size)
             results[f"{key}/adapters_change_the_model"] = max_over_world(
                 None if base is None else (step0 - base).abs().max().item())
@@ -403,15 +419,10 @@ def moe_layouts(families: Path, results: dict) -> None:
             if (name, label) in FORWARD_ONLY:
                 continue
             trainable = make_trainable(model, groups, OPTIM, STEPS)
-            buffered = {id(p) for buf in trainable.model.buffers + trainable.model.expert_parallel_buffers
-                        for p in buf.params}
-            results[f"{key}/ddp_params_are_adapters"] = float(buffered == adapter_ids(model))
+            results[f"{key}/ddp_params_are_adapters"] = ddp_holds_adapters(trainable, model)
             for _ in range(STEPS):
                 train_step(trainable, batches(), mean_loss(arch.vocab_size, groups))
-            unchanged = all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
-            flag = torch.tensor([float(unchanged)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            results[f"{key}/base_bitwise_unchanged"] = flag.item()
+            results[f"{key}/base_bitwise_unchanged"] = unchanged_everywhere(model, frozen)
             trained = {"logits": logits_of(model, groups, tokens, arch.vocab_size),
                        "weights": full_adapters(model, groups),
                        "grads": full_adapters(model, groups, "main_grad")}
