@@ -30,7 +30,7 @@ class GenerationAhead:
     """:class:`megatron_rlhf.trainers.rl.agent.PPORun`'s generation ahead. It uses the run's
     ``cfg``, ``rollout_group``, ``engine_version``, ``inflight``, ``update_spans``,
     ``total_steps``, ``online_prompts``, ``sampling``, ``tools``, ``ahead_thread`` and
-    ``_generate_ids``."""
+    ``tool_trajectories``."""
 
     def staleness(self, step: int, version: int) -> dict[str, float]:
         """``rollout/staleness`` of a batch sampled by the weights of step ``version``, checked
@@ -53,7 +53,7 @@ class GenerationAhead:
             if ahead not in self.inflight:
                 prompts = self.online_prompts(ahead)
                 if self.tools is not None:
-                    refs = self._ahead_thread.submit(self._tool_trajectories, prompts, self.sampling(ahead))
+                    refs = self._ahead_thread.submit(self._timed_tool_trajectories, prompts, self.sampling(ahead))
                 else:
                     refs = self.rollout_group.submit(RolloutWorker.generate, [list(p.ids) for p in prompts],
                                                      self.sampling(ahead))
@@ -66,16 +66,11 @@ class GenerationAhead:
             self.ahead_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ahead")
         return self.ahead_thread
 
-    def _tool_trajectories(self, prompts: list, params) -> dict:
+    def _timed_tool_trajectories(self, prompts: list, params) -> dict:
         """A step's tool trajectories on the rollout group (the driver's thread), their
         ``tools/*`` metrics and when they ran."""
-        from megatron_rlhf.rollout.tool_turns import run_tool_turns
-        from megatron_rlhf.trainers.rl.sampler import tool_row
-
         start = time.time()
-        gens, metrics = run_tool_turns(self._generate_ids, [list(p.ids) for p in prompts], params,
-                                       self.tools, [tool_row(p) for p in prompts],
-                                       [list(p.messages) for p in prompts])
+        gens, metrics = self.tool_trajectories(prompts, params)
         return {"gens": gens, "metrics": metrics, "span": (start, time.time())}
 
     def wait_ahead(self) -> None:

@@ -54,11 +54,7 @@ class AgentSampling:
         engines release their memory after."""
         ids = [list(p.ids) for p in prompts]
         if self.tools is not None:
-            from megatron_rlhf.rollout.tool_turns import run_tool_turns
-
-            out, self.tool_metrics = run_tool_turns(
-                self._generate_ids, ids, params, self.tools, [tool_row(p) for p in prompts],
-                [list(p.messages) for p in prompts])
+            out, self.tool_metrics = self.tool_trajectories(prompts, params)
         elif turns > 1:
             from megatron_rlhf.rollout.multi_turn import run_turns
 
@@ -74,6 +70,15 @@ class AgentSampling:
         if self.rollout_group is None:
             self.actor.call(PPOWorker.release_rollout)
         return out
+
+    def tool_trajectories(self, prompts: list[Prompt],
+                          params: SamplingParams) -> tuple[list[Generation], dict]:
+        """Tool-using trajectories of ``prompts`` on this agent's engines and their ``tools/*``
+        metrics (:func:`megatron_rlhf.rollout.tool_turns.run_tool_turns`)."""
+        from megatron_rlhf.rollout.tool_turns import run_tool_turns
+
+        return run_tool_turns(self._generate_ids, [list(p.ids) for p in prompts], params, self.tools,
+                              [tool_row(p) for p in prompts], [list(p.messages) for p in prompts])
 
     def pop_tool_metrics(self) -> dict[str, float]:
         """The ``tools/*`` metrics of the last :meth:`generate` (once; {} without tools)."""
