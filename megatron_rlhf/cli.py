@@ -230,9 +230,9 @@ def _validate_before_launch(args) -> None:
         batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank, layout.dp)
         return
     if args.job == "convert" and args.direction == "peft-to-mcore":
-        from megatron_rlhf.convert.peft import check_named_base, peft_spec, read_peft
+        from megatron_rlhf.convert.peft import check_named_base, peft_spec, read_peft_config
 
-        config = read_peft(args.peft_dir)[0]
+        config = read_peft_config(args.peft_dir)
         peft_spec(config, args.peft_dir, mla=read_hf_arch(args.hf_dir).mla is not None)
         check_named_base(config, args.hf_dir, args.peft_dir)
         check_writable(args.out_dir)

@@ -120,20 +120,26 @@ def export_peft(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: in
 PREFIX = "base_model.model."
 
 
-def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A PEFT folder's ``adapter_config.json`` and its tensors by module name (PEFT's
-    ``base_model.model.`` prefix removed); :class:`UserError` naming what is missing."""
-    from safetensors.torch import load_file
-
+def read_peft_config(folder: str | Path) -> dict:
+    """A PEFT folder's ``adapter_config.json`` (both of its files checked to be there);
+    :class:`UserError` naming what is missing."""
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise UserError(f"{folder} is not a PEFT adapter folder: no {name}")
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        return json.loads((folder / CONFIG_FILE).read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{folder / CONFIG_FILE} is not JSON: {err}") from None
-    tensors = {k.removeprefix(PREFIX): v for k, v in load_file(str(folder / WEIGHTS_FILE)).items()}
+
+
+def read_peft(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """:func:`read_peft_config` and the adapter's tensors by module name (PEFT's
+    ``base_model.model.`` prefix removed)."""
+    from safetensors.torch import load_file
+
+    config = read_peft_config(folder)
+    tensors = {k.removeprefix(PREFIX): v for k, v in load_file(str(Path(folder) / WEIGHTS_FILE)).items()}
     return config, tensors
 
 
@@ -144,8 +150,7 @@ def is_peft_folder(path: str | Path) -> bool:
 def peft_base(folder: str | Path, flag: str) -> Path:
     """The local HF folder a PEFT adapter folder names as its base (``base_model_name_or_path``);
     :class:`UserError` naming ``flag`` when it names none that exists here."""
-    config, _ = read_peft(folder)
-    named = config.get("base_model_name_or_path") or ""
+    named = read_peft_config(folder).get("base_model_name_or_path") or ""
     if not named or not (Path(named) / "config.json").is_file():
         raise UserError(f"{flag}: {folder} is a PEFT adapter folder whose base "
                         f"({named or 'not named'}) is not a local Hugging Face folder; set "
@@ -198,8 +203,11 @@ SAME_BASE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attenti
 def check_named_base(config: dict, hf_dir: str | Path, where: str) -> None:
     """When ``base_model_name_or_path`` is a local folder, its config must describe the same
     model as ``hf_dir``'s (a hub name cannot be checked offline: the shapes are, on load)."""
-    named = Path(config.get("base_model_name_or_path") or "")
-    if not str(named) or not (named / "config.json").is_file() or named.resolve() == Path(hf_dir).resolve():
+    named = config.get("base_model_name_or_path") or ""
+    if not named or not (Path(named) / "config.json").is_file():
+        return
+    named = Path(named)
+    if named.resolve() == Path(hf_dir).resolve():
         return
     theirs, ours = (json.loads((folder / "config.json").read_text()) for folder in (named, Path(hf_dir)))
     differ = [k for k in SAME_BASE_KEYS if theirs.get(k) != ours.get(k)]
