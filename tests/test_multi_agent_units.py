@@ -329,6 +329,9 @@ class Saved:
     def restore(self, step, keep_scales=False):
         self.restored = (step, keep_scales)
 
+    def prune(self, keep):
+        self.steps &= keep
+
 
 def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp_path, capsys):
     from megatron_rlhf.trainers.rl.run import RLRun as MultiAgentRun
@@ -350,6 +353,32 @@ def test_a_bad_step_in_one_agent_rolls_every_agent_back_to_their_common_step(tmp
     empty = MultiAgentRun(cfg, {"a": Saved(set(), cfg), "b": Saved({2}, cfg)}, Population(), 10, step=3)
     with pytest.raises(UserError, match="no checkpoint to roll back to"):
         empty.rollback("a", "loss is nan")
+
+
+def test_a_step_that_fails_again_steps_back_one_restore_point_each_time(tmp_path, capsys):
+    """Run 4 of docs/smollm2.md: the newest checkpoint was itself past the KL threshold, so six
+    replays from it failed alike. A repeat failure of the same step goes one restore point further
+    back and deletes the rejected newer ones (a later rollback or a resume must not land there)."""
+    from megatron_rlhf.trainers.rl.run import RLRun
+
+    cfg = _cfg(f"trainer.output_dir={tmp_path}", "trainer.rollback.max_rollbacks=9")
+    agents = {"a": Saved({2, 4, 6}, cfg), "b": Saved({2, 4, 6}, cfg)}
+    run = RLRun(cfg, agents, Population(), total_steps=20, step=6)
+    run.rollback("a", "actor/kl 0.09 exceeds")
+    assert run.step == 6 and agents["a"].steps == {2, 4, 6}  # first time: the newest
+    run.rollback("a", "actor/kl 0.08 exceeds")
+    assert run.step == 4 and all(a.steps == {2, 4} and a.restored == (4, True) for a in agents.values())
+    assert "step 7 failed 2 times in a row: stepped back past step(s) 6, deleted" in capsys.readouterr().out
+    for agent in agents.values():  # the replay of steps 5 and 6 saved step 6 anew
+        agent.steps.add(6)
+    run.step = 6
+    run.rollback("b", "actor/kl 0.07 exceeds")  # step 7 a third time: two points back
+    assert run.step == 2 and agents["b"].steps == {2}
+    run.step = 3
+    run.rollback("b", "actor/kl 0.07 exceeds")  # another step: the newest (and only) one
+    run.rollback("b", "actor/kl 0.07 exceeds")  # no older point left: the oldest again
+    assert run.step == 2 and agents["a"].rollbacks == 5
+    assert agents["a"].lr_scale == pytest.approx(cfg.trainer.rollback.lr_factor ** 5)
 
 
 def test_the_workers_targets_come_from_the_table_row_by_row():

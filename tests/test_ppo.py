@@ -174,12 +174,14 @@ def test_rollback_on_kl_spike_restores_and_stops(workspace, tmp_path):
     code, stdout, stderr = finish(ppo(spiky))
     assert code == 2, stdout[-3000:] + stderr[-3000:]
     assert "rollback 1/2 at step 3" in stdout and "restored step 2, lr scale now 0.5" in stdout
+    # Step 3 failing again from step 2 goes one restore point further back, dropping step 2.
     assert "rollback 2/2 at step 3" in stdout and "lr scale now 0.25" in stdout
+    assert "restored step 1" in stdout and "stepped back past step(s) 2, deleted" in stdout
     assert "kl_loss_coef now 0.02" in stdout and "kl_loss_coef now 0.04" in stdout
-    assert "already rolled back 2 times" in stderr
-    # Nothing after the last good step was kept: checkpoints and logs end at step 2.
-    assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir())[-1] == "step_00000002"
-    assert max(r["step"] for r in metrics(out)) == 2
+    assert "step 2: actor/kl" in stderr and "already rolled back 2 times" in stderr
+    # Nothing after the restored step was kept: checkpoints and logs end at step 1.
+    assert sorted(p.name for p in (out / "checkpoints" / "actor").iterdir())[-1] == "step_00000001"
+    assert max(r["step"] for r in metrics(out)) == 1
 
 
 def test_nan_loss_rolls_back_and_the_lowered_lr_takes_effect(workspace, tmp_path):

@@ -421,7 +421,9 @@ class RolloutConfig:
 class RollbackConfig:
     kl_threshold: float = 0.0
     """Roll back when mean KL(actor || reference) per token exceeds this (0: off). NaN/inf losses
-    always roll back when a checkpoint exists."""
+    always roll back when a checkpoint exists. A rollback restores the newest checkpoint; the
+    same step failing again goes one restore point further back each time (the newer ones are
+    deleted), so keep ``trainer.keep_last_n`` >= 2 for the guard to have somewhere to go."""
     lr_factor: float = 0.5
     """Actor (and critic) learning rate is multiplied by this on each rollback."""
     kl_coef_factor: float = 2.0

@@ -488,16 +488,17 @@ class PPORun(GenerationAhead, AgentSampling):
 
 
 def rollback_target(failed: int, reason: str, saved: list[int], rollbacks: int, rb,
-                    where: Path) -> int:
-    """The newest saved step to go back to after step ``failed`` went bad, or the error that
-    stops the run (nothing saved, or ``rb.max_rollbacks`` spent)."""
+                    where: Path, back: int = 0) -> int:
+    """The saved step to go back to after step ``failed`` went bad: the newest, or ``back``
+    restore points before it (the oldest kept when there are fewer), or the error that stops
+    the run (nothing saved, or ``rb.max_rollbacks`` spent)."""
     if not saved:
         raise UserError(f"step {failed}: {reason}; no checkpoint to roll back to "
                         f"(set trainer.save_every_steps); stopped")
     if rollbacks >= rb.max_rollbacks:
         raise UserError(f"step {failed}: {reason}; already rolled back {rollbacks} times "
                         f"(trainer.rollback.max_rollbacks); stopped. Checkpoints in {where} are intact")
-    return saved[-1]
+    return saved[-1 - min(back, len(saved) - 1)]
 
 
 def close_step(run, metrics: dict, samples: int, tokens: float, shown: dict) -> None:

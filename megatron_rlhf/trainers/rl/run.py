@@ -53,6 +53,7 @@ class RLRun:
     history: list[dict] = field(default_factory=list)
     stop: object = None  # StopRequest: stop signals and trainer.stop_at (the driver's)
     last_saved: int = -1
+    failed: tuple = (-1, 0)  # (step the guard last rejected, how many times in a row)
 
     @property
     def single(self) -> bool:
@@ -228,20 +229,32 @@ class RLRun:
 
     def rollback(self, name: str, reason: str) -> None:
         """Every agent back to the newest common checkpoint, with the lowered learning rates
-        and raised KL weights of ``trainer.rollback``."""
+        and raised KL weights of ``trainer.rollback``. When the same step fails again, one
+        restore point further back each time: a replay from the newest draws the same prompts
+        and samples, and when the newest policy is itself the one past the KL threshold, no
+        learning rate rescues it. Checkpoints after the restored one are the rejected timeline:
+        they are deleted, so neither a later rollback nor a resume lands on them."""
         failed, first = self.step + 1, next(iter(self.agents.values()))
         if self.cfg.trainer.async_save:
             self.collect_saves(blocking=True)  # a save in flight is of a good step
         why = reason if self.single else f"agent {name}: {reason}"
         where = first.ckpt_root if self.single else self.out / "agents"
-        target = rollback_target(failed, why, self.checkpoints(), first.rollbacks,
-                                 self.cfg.trainer.rollback, where)
+        again = self.failed[1] if self.failed[0] == failed else 0
+        saved = self.checkpoints()
+        target = rollback_target(failed, why, saved, first.rollbacks, self.cfg.trainer.rollback,
+                                 where, back=again)
+        self.failed = (failed, again + 1)
         for agent in self.agents.values():
             agent.lower_rates()
+            if target != saved[-1]:
+                agent.prune({s for s in saved if s <= target})
         self.restore(target, keep_scales=True)
         done = (f"restored step {target}, lr scale now {first.lr_scale:g}, kl_coef now "
                 f"{first.kl_ctrl.value:g}, kl_loss_coef now {first.kl_loss_coef:g}" if self.single
                 else f"every agent restored to step {target}")
+        if target != saved[-1]:
+            done += (f" (step {failed} failed {again + 1} times in a row: stepped back past "
+                     f"step(s) {', '.join(str(s) for s in saved if s > target)}, deleted)")
         self.log(f"rollback {first.rollbacks}/{self.cfg.trainer.rollback.max_rollbacks} at step "
                  f"{failed}: {why}; {done}")
 
