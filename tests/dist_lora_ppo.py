@@ -5,11 +5,8 @@ One :class:`PPOWorker` is built as a PPO run builds it; on a batch the engine ge
 computes old and reference log-probs, values, and trains actor and critic on made-up advantages
 for a few steps; the weights are synced into the engine and its log-probs of its own greedy
 samples compared with the trainer's. Then a save / more steps / load / the same steps again
-round checks the checkpoints hold everything a resume needs. Not with the distributed optimizer:
-loading its state on CPU fails in megatron-core 0.16.1 (``KeyError: 'step'`` in
-``DistributedOptimizer._set_main_param_and_optimizer_states``: torch's Adam keeps a per-parameter
-``step`` the checkpoint does not hold); that it holds only the adapters is checked in
-dist_lora.py's ``tp1_distopt`` layout.
+round checks the checkpoints hold everything a resume needs (with the plain optimizer here; the
+distributed optimizer's exact resume is dist_lora.py's ``resume`` section).
 """
 
 from __future__ import annotations
@@ -34,16 +31,17 @@ from megatron_rlhf.trainers.rl.worker import PPOWorker
 PROMPTS = [[5, 17, 33, 8, 90], [44, 2, 61, 7, 19, 23, 120, 3], [12, 9, 200], [7, 7, 31, 64]]
 
 
-def ppo_config(workspace: Path) -> PPOConfig:
+def ppo_config(workspace: Path, *extra: str, model: Path | None = None) -> PPOConfig:
     data = workspace / "data"
     return validate_ppo_config(load_config(PPOConfig, None, [
-        f"actor.model_path={workspace / 'base'}", f"data.train_files=[{data / 'prompts_train.parquet'}]",
+        f"actor.model_path={model or workspace / 'base'}",
+        f"data.train_files=[{data / 'prompts_train.parquet'}]",
         "data.max_prompt_length=16", "data.max_response_length=8", "data.train_batch_size=4",
         "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_rank=2", "actor.ppo_epochs=1",
         "actor.optim.lr=5e-2", "actor.optim.min_lr=5e-2", "critic.optim.lr=1e-2", "reward.fn=addition",
         "algorithm.use_kl_in_reward=true", "actor.parallel.tp=2", "actor.lora.rank=4",
         "actor.lora.alpha=8",
-        "critic.lora.rank=2", "trainer.logger=console", "trainer.seed=5"]))
+        "critic.lora.rank=2", "trainer.logger=console", "trainer.seed=5", *extra]))
 
 
 def _trainable_ids(trainable) -> set[int]:
@@ -139,3 +137,26 @@ def ppo_with_lora(workspace: Path, work: Path, results: dict) -> None:
         for role in ("actor", "critic"):
             meta = json.loads((root / role / "step_00000003/megatron_rlhf.json").read_text())
             results[f"ppo/{role}/checkpoint_lora_rank"] = float(meta.get("lora", {}).get("rank", 0))
+
+
+def moe_ppo_with_lora(workspace: Path, families: Path, results: dict) -> None:
+    """A GRPO actor of tiny Qwen3-MoE at TP2+SP x EP2 with adapters on every linear, routed
+    experts included (each rank holds half the experts and their adapters): after three updates
+    the engine, fed the merged weights gathered over TP and EP, scores its greedy samples as the
+    trainer."""
+    cfg = ppo_config(workspace, "actor.parallel.sequence_parallel=true", "actor.parallel.ep=2",
+                     "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+                     "actor.use_kl_loss=true", "rollout.n=2", "critic.lora.rank=0",
+                     model=families / "qwen3_moe")
+    layout = layout_of(cfg.actor.parallel).resolve(2, policy_files(cfg.actor.model_path)[0].shape)
+    worker = PPOWorker(cfg, ("actor",), layout, {"actor": 8})
+    results["ppo_moe/expert_adapters"] = float(sum(
+        ".local_experts." in name for name, _ in adapters(worker.actor.module)))
+    worker.sync_weights()
+    batch = _engine_vs_trainer(worker, results, "moe_start")
+    for step in range(1, 4):
+        g = torch.Generator().manual_seed(step)
+        batch["advantages"] = torch.randn(batch["loss_mask"].shape, generator=g) * batch["loss_mask"]
+        worker.update_actor(batch, step, 0.0)
+    worker.sync_weights()
+    _engine_vs_trainer(worker, results, "moe_trained")

@@ -60,7 +60,7 @@ def test_trained_adapters_match_tp1(lora, model, layout):
         assert results[f"{key}/max_abs_grad"] > 1e-3
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "dp2_distopt"])
 def test_training_resumes_exactly_from_a_lora_checkpoint(lora, layout):
     # 4 steps straight vs 2 steps, a training checkpoint (model, optimizer, schedule, RNG), 2 more.
     assert lora[0][f"resume/{layout}"] == 0.0
@@ -224,6 +224,14 @@ def test_ppo_worker_with_lora_references_its_base_and_feeds_the_engine_merged_we
     assert results["ppo/trained/engine_vs_reference"] > 0.1
     assert results["ppo/trained/engine_vs_trainer"] < 1e-5
     assert results["ppo/base_bitwise_unchanged"] == 1.0
+
+
+def test_merged_expert_adapters_reach_the_engine_at_ep2(lora):
+    results = lora[0]
+    assert results["ppo_moe/expert_adapters"] > 0  # this rank's routed experts carry adapters
+    assert results["ppo/moe_start/engine_vs_trainer"] < 1e-5
+    assert results["ppo/moe_trained/actor_vs_reference"] > 0.05  # the adapters moved the policy
+    assert results["ppo/moe_trained/engine_vs_trainer"] < 1e-5
 
 
 def test_ppo_worker_with_lora_resumes_actor_and_critic_exactly(lora):

@@ -291,6 +291,50 @@ def apply_no_te_fixes() -> None:
         return norm
 
     _patch(WrappedTorchNorm, "__new__", staticmethod(norm_new))
+    _fresh_adam_state_for_loading()
+
+
+def _fresh_adam_state_for_loading() -> None:
+    """Without apex/TE the distributed optimizer wraps torch's Adam and reads the step count
+    from its per-parameter state, which a fresh optimizer does not have yet: resuming into one
+    fails with ``assert len(steps) == 1`` in ``DistributedOptimizer.state_dict`` (the load asks
+    for the state dict first). Give an empty optimizer Adam's own zero state (what its first
+    step would create, step 0), which the load then overwrites. The load itself then puts the
+    saved step into that state and copies every state tensor from the checkpoint's, which has no
+    'step' (it travels in the param groups): ``KeyError: 'step'`` in
+    ``_set_main_param_and_optimizer_states``; the step already set is kept instead, one tensor
+    per parameter."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    original = distrib_optimizer.DistributedOptimizer.state_dict
+
+    def state_dict(self):
+        inner = self.optimizer
+        if not inner.state:
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    inner.state[param] = {"step": torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(param),
+                                          "exp_avg_sq": torch.zeros_like(param)}
+        return original(self)
+
+    _patch(distrib_optimizer.DistributedOptimizer, "state_dict", state_dict)
+    set_states = distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_keeping_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            # The load gave every parameter the same step tensor, which torch's Adam would then
+            # advance once per parameter (wrong bias corrections from the next step on).
+            state["step"] = state["step"].detach().clone()
+            tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    _patch(distrib_optimizer.DistributedOptimizer, "_set_main_param_and_optimizer_states",
+           set_states_keeping_step)
 
 
 def apply_platform() -> bool:
