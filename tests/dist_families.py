@@ -237,6 +237,42 @@ def training(root: Path, results: dict) -> None:
         results[f"train/{name}/unmoved_params"] = max_over_world(float(len(before) - moved))
 
 
+def gradient_parity(root: Path, results: dict) -> None:
+    """One Adam step's gradients (reduced, clipped: what the optimizer applies) of every
+    parameter at TP2 + SP with EP1 against TP1, gathered to full HF tensors by the weight sync's
+    own gather. Two megatron-core 0.16.1 gaps fixed by this project show here: experts whole on
+    every TP rank kept one rank's tokens' share, and MLA's rotary key lost other ranks' heads'."""
+    from megatron_rlhf.config.schema import OptimConfig
+    from megatron_rlhf.models.forward import token_cross_entropy
+    from megatron_rlhf.models.megatron_config import ModelOptions
+    from megatron_rlhf.trainers.engine import make_trainable, train_step
+
+    rows = torch.randint(0, 250, (4, 24), generator=torch.Generator().manual_seed(5))
+    batches = [{"input_ids": rows[i:i + 2], "targets": torch.roll(rows[i:i + 2], -1, dims=1)}
+               for i in (0, 2)]
+    for name in ("qwen3_moe", "deepseek_v3"):
+        grads = {}
+        for tp in (1, 2):
+            model, groups, arch = from_hf(root / name, (tp, 1),
+                                          options=ModelOptions(sequence_parallel=tp > 1))
+            trainable = make_trainable(model, groups, OptimConfig(lr=1e-3, warmup_steps_ratio=0.0), 1)
+
+            def loss_fn(output, batch):
+                loss = token_cross_entropy(output, batch["targets"], arch.vocab_size, groups).mean()
+                return loss, {"loss": loss.detach()}
+
+            train_step(trainable, batches, loss_fn)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.main_grad)
+            sync = WeightSync(model, arch, groups, padded_vocab_size(arch.vocab_size, tp), 2 ** 24)
+            grads[tp] = {k: v.clone() for bucket in sync.iter_buckets() for k, v in bucket}
+        one, two = grads[1], grads[2]
+        results[f"grad_parity/{name}/tensors"] = float(len(one) == len(two) == len(one.keys() & two.keys()))
+        results[f"grad_parity/{name}/max_gap"] = max((one[k] - two[k]).abs().max().item() for k in one)
+        results[f"grad_parity/{name}/max_grad"] = max(v.abs().max().item() for v in one.values())
+
+
 def main() -> None:
     root, workdir, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     init_distributed()
@@ -247,6 +283,7 @@ def main() -> None:
     sync_parity(root, results)
     engine_sync_parity(root, results)
     training(root, results)
+    gradient_parity(root, results)
     write_results_and_leave(out, results)
 
 

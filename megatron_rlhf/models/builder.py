@@ -198,6 +198,7 @@ def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = to
     )
     if arch.rope_scaling is not None and arch.rope_scaling.kind == "llama3":
         _llama3_frequencies(model, arch.rope_scaling)
+    _sum_replicated_expert_grads(model, layout)
     if arch.kind == "value" and groups.is_last_stage:
         model.output_layer = ValueHead(arch.hidden_size, dtype, config.sequence_parallel, groups.tp)
     # Without Transformer Engine or apex, megatron's norms are torch's and ignore params_dtype:
@@ -207,6 +208,22 @@ def build_model(arch: ModelArch, groups: ParallelGroups, dtype: torch.dtype = to
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
     return model.to(device())
+
+
+def _sum_replicated_expert_grads(model, layout) -> None:
+    """At TP > 1 with EP = 1 and expert TP 1, every TP rank holds all experts whole and routes
+    its own sequence shard through them, yet megatron-core 0.16.1 treats experts at EP = 1 as
+    dense weights (``allreduce=True``: reduced over DP only), so each rank kept its own tokens'
+    share of their gradients (measured: off by their own size on tiny Qwen3-MoE; megatron-LM
+    avoids the layout by defaulting expert TP to TP). Tagged as sequence-parallel, their
+    gradients are summed over TP by ``finalize_model_grads``, as norm weights' are, and (whole on
+    every TP rank) counted once in the gradient norm, not once per TP rank."""
+    if layout.tp == 1 or layout.ep > 1 or layout.etp > 1:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.sequence_parallel = True
+            param.tensor_model_parallel = False
 
 
 class _OnMeta(TorchFunctionMode):

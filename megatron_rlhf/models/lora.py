@@ -158,6 +158,9 @@ class LoRAAdapter(nn.Module):
         # over the expert-data-parallel ranks, as the expert's own weights (allreduce=False).
         for param in (self.lora_a, self.lora_b):
             param.allreduce = getattr(weight, "allreduce", True)
+            if getattr(weight, "sequence_parallel", False):  # a weight whose gradient is summed
+                param.sequence_parallel = True                # over TP: its adapter's too
+                param.tensor_model_parallel = getattr(weight, "tensor_model_parallel", True)
 
     def _drop(self, x: torch.Tensor, sharded: bool) -> torch.Tensor:
         """Dropout on the adapter's input; an input that differs across TP ranks (a sequence or
@@ -239,13 +242,6 @@ def _targets(layer, spec: LoRASpec):
             if module.tp_group.size() > 1:
                 raise UserError(f"lora: adapters on routed experts ({path}) need expert tensor "
                                 f"parallelism 1 (etp={module.tp_group.size()}): set etp=1")
-            tp = experts.config.tensor_model_parallel_size
-            if tp > 1 and experts.ep_group.size() == 1:
-                # Measured on tiny Qwen3-MoE and DeepSeek-V3: their gradients differ from
-                # TP1's by as much as their size (EP2 x TP2 matches to 1e-8); not yet found why.
-                raise UserError(f"lora: adapters on routed experts ({path}) at tp={tp} need "
-                                f"expert parallelism > 1 (ep=1: their gradients are wrong); "
-                                f"set ep >= 2, or leave linear_fc1/linear_fc2 out of target_modules")
             index = experts.ep_group.rank() * experts.num_local_experts + int(expert.group(2))
             name = f"{expert.group(1)}.{index}.{expert.group(3)}"
         yield path, module, leaf in COLUMN_TARGETS, name
