@@ -92,8 +92,10 @@ def ddp_holds_adapters(trainable, model) -> float:
 
 
 def unchanged_everywhere(model, frozen: dict) -> float:
-    """1.0 when every frozen parameter equals its copy in ``frozen`` bitwise, on every rank."""
-    same = all(torch.equal(frozen[n], p) for n, p in model.named_parameters() if n in frozen)
+    """1.0 when every frozen parameter (and buffer kept in ``frozen``) equals its copy there
+    bitwise, on every rank."""
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    same = all(torch.equal(frozen[n], tensors[n]) for n in frozen)
     flag = torch.tensor([float(same)])
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return flag.item()
@@ -159,9 +161,10 @@ def compare(key: str, trained: dict, reference: dict, results: dict) -> None:
                                               for v in trained["grads"].values())
 
 
-def export_trained(root: Path, name: str, model, groups, arch, padded, logits, tokens) -> None:
+def export_trained(root: Path, name: str, model, groups, arch, padded, logits, tokens,
+                   spec: LoRASpec = SPEC) -> None:
     out = Path(sys.argv[2]) / f"peft_{name}"  # WORKDIR
-    export_peft(model, arch, groups, padded, SPEC, out, base_model=str(root / name))
+    export_peft(model, arch, groups, padded, spec, out, base_model=str(root / name))
     if logits is not None and groups.tp_rank == 0 and groups.dp_rank == 0:
         torch.save({"tokens": tokens, "logits": logits}, out / "megatron_logits.pt")
     dist.barrier()
@@ -349,6 +352,7 @@ MOE_LAYOUTS = {"ep1": (1, 1), "ep2": (1, 1, None, 2), "tp2sp_ep2": (2, 1, None, 
 # TP2 + SP with EP1 (every expert whole on both TP ranks) needs the builder's tagging of the
 # experts' gradients as summed over TP (megatron-core treats experts at EP1 as dense).
 MOE_LAYOUTS["tp2sp"] = (2, 1)
+MOE_EXPORT = "tp2sp_ep2"  # the layout whose adapters go to PEFT
 MOE_RUNS = {"qwen3_moe": list(MOE_LAYOUTS), "deepseek_v3": list(MOE_LAYOUTS),
             "deepseek_v3_no_q_lora": ["ep1", "tp2sp"]}
 # Forward only (the adapted model at step 0, B random): MLA without q_lora_rank cut over TP2+SP.
@@ -406,6 +410,8 @@ def moe_layouts(families: Path, results: dict) -> None:
             results[f"{key}/expert_adapters"] = float(max_over_world(
                 sum(".local_experts." in n for n in adapted)))
             frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+            frozen.update({n: b.detach().clone() for n, b in model.named_buffers()  # the routers'
+                           if n.endswith("expert_bias")})
             for _, adapter in adapters(model):  # B != 0, so every adapter acts from step 0
                 random_b(adapter)
             step0 = logits_of(model, groups, tokens, arch.vocab_size)
@@ -426,6 +432,10 @@ def moe_layouts(families: Path, results: dict) -> None:
                        "weights": full_adapters(model, groups),
                        "grads": full_adapters(model, groups, "main_grad")}
             compare(key, trained, reference, results)
+            if label == MOE_EXPORT:  # routed experts' adapters from their EP ranks, TP gathered
+                export_trained(families, name, model, groups, arch,
+                               padded_vocab_size(arch.vocab_size, layout[0]), trained["logits"],
+                               tokens, spec)
 
 
 def main() -> None:

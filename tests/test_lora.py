@@ -408,6 +408,73 @@ def test_adapters_on_moe_experts_match_ep1(lora, model, layout):
     assert results[f"{key}/weights_vs_tp1"] < 1e-4  # Adam divides tiny gradients by their size
 
 
+def _merged_as_peft_reads_it(hf, folder: Path):
+    """``hf`` with a PEFT LoRA folder added as its format says: ``W += alpha / r * B @ A`` for
+    every named module; a routed expert's ``mlp.experts.<e>.{gate,up,down}_proj`` (transformers
+    4's names) into transformers 5's fused ``gate_up_proj [E, 2I, H]`` (gate rows first) and
+    ``down_proj [E, H, I]``. Written from the format, not from our code."""
+    import json
+    import re
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    scale, tensors = config["lora_alpha"] / config["r"], _peft_tensors(folder)
+    modules = dict(hf.named_modules())
+    with torch.no_grad():
+        for key in (k for k in tensors if k.endswith(".lora_A.weight")):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            delta = scale * tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+            if module in modules:
+                modules[module].weight += delta
+                continue
+            experts, index, part = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)", module).groups()
+            fused, e = modules[experts], int(index)
+            half = fused.gate_up_proj.shape[1] // 2
+            target = {"gate_proj": fused.gate_up_proj[e, :half], "up_proj": fused.gate_up_proj[e, half:],
+                      "down_proj": fused.down_proj[e]}[part]
+            target += delta
+    return hf
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_peft_export_of_moe_adapters_has_our_logits(lora, family_models, model, tmp_path):
+    """Adapters trained at TP2+SP x EP2 (routed experts' from the EP rank holding them) written
+    per expert under PEFT's names: applied to the HF base as the format reads, the logits are
+    megatron's; peft itself (0.21, on transformers 5's fused experts) loads Qwen3-MoE's exactly;
+    DeepSeek-V3's also adapts shared experts and a dense layer, which peft's conversion there
+    drops, and the export says so. PEFT -> our checkpoint (TP1, EP1) -> PEFT is bitwise."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlhf.cli import main
+    from megatron_rlhf.convert.peft import _fused_experts_note
+
+    _, work, _ = lora
+    folder, base = work / f"peft_{model}", family_models[model]
+    saved = torch.load(folder / "megatron_logits.pt")
+    tensors = _peft_tensors(folder)
+    experts = {k for k in tensors if ".mlp.experts." in k}
+    # A and B of gate, up and down of every routed expert: 4 MoE layers x 4 experts; 3 x 8.
+    assert len(experts) == {"qwen3_moe": 4 * 4, "deepseek_v3": 3 * 8}[model] * 3 * 2
+    load = lambda: AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()  # noqa: E731
+    with torch.no_grad():
+        merged = _merged_as_peft_reads_it(load(), folder)(saved["tokens"]).logits
+        assert (merged - saved["logits"]).abs().max().item() < 1e-5
+        assert (load()(saved["tokens"]).logits - saved["logits"]).abs().max().item() > 1e-2
+        by_peft = PeftModel.from_pretrained(load(), folder).eval()(saved["tokens"]).logits
+    gap = (by_peft - saved["logits"]).abs().max().item()
+    if model == "qwen3_moe":
+        assert gap < 1e-5 and not _fused_experts_note(tensors)
+    else:
+        # The dense layer's gate/up/down and 3 layers' shared experts' are what peft drops.
+        assert gap > 1e-2 and "12 other MLP linears" in _fused_experts_note(tensors)
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    assert main(["convert", "peft-to-mcore", "--peft-dir", str(folder), "--hf-dir", str(base),
+                 "--out-dir", str(ckpt)]) == 0
+    assert main(["convert", "mcore-to-hf", "--mcore-dir", str(ckpt), "--out-dir", str(again), "--peft"]) == 0
+    after = _peft_tensors(again)
+    assert sorted(after) == sorted(tensors) and all(torch.equal(tensors[k], after[k]) for k in tensors)
+
+
 @pytest.mark.parametrize("model,layout", MOE_RUNS + [("deepseek_v3_no_q_lora", "tp2sp")])
 def test_adapted_moe_and_mla_models_compute_the_same_at_every_layout(lora, model, layout):
     """Step 0, B random (every adapter acts): the adapted model's logits at EP2, TP2(+SP) x EP2,

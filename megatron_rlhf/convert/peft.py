@@ -7,11 +7,17 @@ PEFT adapts each HF linear on its own: ``q_proj``, ``k_proj``, ``v_proj`` and ``
 Back (:func:`load_peft_adapters`): the parts' ``B`` rows fuse as the base weights do, and their
 ``A`` must be one (a PEFT adapter trained elsewhere usually has one ``A`` per part, which a fused
 adapter of the same rank cannot hold: refused, with what to do instead).
+
+Routed experts are written per expert, as PEFT names them on transformers 4's
+``mlp.experts.<e>.{gate,up,down}_proj`` (the names our full export writes, and what transformers
+5 and peft >= 0.21 convert on load into the fused 3-D expert parameters: ``gate_up_proj`` at rank
+2r with its B block-diagonal, exactly the same sum).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -28,37 +34,42 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
 
-def _gather_tp(tensor: torch.Tensor, cut: str, groups: ParallelGroups) -> torch.Tensor:
-    """The full tensor of TP-cut ``tensor`` (every TP rank gets it)."""
-    if cut == REPLICATED or groups.layout.tp == 1:
+def _gather_tp(tensor: torch.Tensor, cut: str, groups: ParallelGroups, expert: bool = False) -> torch.Tensor:
+    """The full tensor of TP-cut ``tensor`` (every rank of its TP group gets it; a routed
+    expert's: of the expert-TP group)."""
+    group, size = (groups.etp, groups.layout.etp) if expert else (groups.tp, groups.layout.tp)
+    if cut == REPLICATED or size == 1:
         return tensor.detach().clone()
-    pieces = [torch.empty_like(tensor) for _ in range(groups.layout.tp)]
-    dist.all_gather(pieces, tensor.detach().contiguous(), group=groups.tp)
+    pieces = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(pieces, tensor.detach().contiguous(), group=group)
     return tp_unshard(pieces, cut)
+
+
+def _rule(model_name: str, arch: ModelArch, groups: ParallelGroups, padded_vocab: int, offsets):
+    experts = arch.moe.num_experts if arch.moe else 0
+    return rule_for(f"{model_name}.weight", arch, padded_vocab, offsets,
+                    expert_offset=groups.expert_offset(experts))
 
 
 def stage_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: int,
                    field: str = "data") -> dict[str, torch.Tensor]:
     """This stage's adapters as HF-named PEFT tensors, full (gathered over TP; collective over
     the TP group): ``{hf_module}.lora_A.weight [rank, in]``, ``{hf_module}.lora_B.weight
-    [out, rank]`` with ``hf_module`` e.g. ``model.layers.3.self_attn.q_proj``. ``field``: the
-    parameters' ``data``, or their ``main_grad`` (megatron DDP's reduced gradient, laid out the
-    same way)."""
+    [out, rank]`` with ``hf_module`` e.g. ``model.layers.3.self_attn.q_proj`` (a routed
+    expert's, held by this expert-parallel rank: ``model.layers.3.mlp.experts.5.up_proj``).
+    ``field``: the parameters' ``data``, or their ``main_grad`` (megatron DDP's reduced
+    gradient, laid out the same way)."""
     offsets = layer_offsets(model)
     out: dict[str, torch.Tensor] = {}
     for name, adapter in adapters(model):
-        if ".local_experts." in name:
-            raise UserError("PEFT export of routed experts' adapters is not built (transformers "
-                            "stores experts as fused 3-D parameters, which PEFT adapts through "
-                            "target_parameters); export the merged model instead (without --peft)")
-        rule = rule_for(f"{name}.weight", arch, padded_vocab, offsets)
+        rule = _rule(name, arch, groups, padded_vocab, offsets)
         a, b = getattr(adapter.lora_a, field), getattr(adapter.lora_b, field)
         if adapter.column:  # B's rows cut (and fused) as the base weight's rows
-            a = _gather_tp(a, REPLICATED, groups)
-            b_parts = rule.split(_gather_tp(b, rule.tp_cut, groups))
+            a = _gather_tp(a, REPLICATED, groups, rule.expert)
+            b_parts = rule.split(_gather_tp(b, rule.tp_cut, groups, rule.expert))
         else:
-            a = _gather_tp(a, COLS, groups)
-            b_parts = [_gather_tp(b, REPLICATED, groups)]
+            a = _gather_tp(a, COLS, groups, rule.expert)
+            b_parts = [_gather_tp(b, REPLICATED, groups, rule.expert)]
         for hf_name, b in zip(rule.hf_names, b_parts):
             module = hf_name.removesuffix(".weight")
             out[f"{module}.lora_A.weight"] = a.float().clone()  # one tensor per name (safetensors)
@@ -66,12 +77,17 @@ def stage_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vocab:
     return out
 
 
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
+
+
 def gathered_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: int,
                       field: str = "data") -> dict[str, torch.Tensor]:
-    """Every stage's :func:`stage_adapters`, on every rank (collective over the world)."""
+    """Every stage's :func:`stage_adapters`, on every rank (collective over the world): each
+    tensor from one of the ranks holding it (a routed expert's: from its expert-parallel rank)."""
     mine = stage_adapters(model, arch, groups, padded_vocab, field)
-    if groups.tp_rank != 0 or groups.dp_rank != 0:
-        mine = {}
+    dense = groups.tp_rank == 0 and groups.dp_rank == 0
+    routed = groups.etp_rank == 0 and groups.expt_dp_rank == 0
+    mine = {k: v for k, v in mine.items() if (routed if ROUTED_EXPERT.search(k) else dense)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, {k: v.cpu() for k, v in mine.items()})
     return {k: v for part in everyone for k, v in part.items()}
@@ -108,12 +124,33 @@ def export_peft(model, arch: ModelArch, groups: ParallelGroups, padded_vocab: in
     tensors = gathered_adapters(model, arch, groups, padded_vocab)
     if dist.get_rank() != 0:
         return None
+    note = _fused_experts_note(tensors)
+    if note:
+        print(f"[convert] note: {note}", flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({f"base_model.model.{k}": v for k, v in sorted(tensors.items())},
               str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(adapter_config(spec, base_model), indent=2))
     return out
+
+
+def _fused_experts_note(tensors: dict[str, torch.Tensor]) -> str:
+    """What a PEFT user must know when routed experts and other MLPs (shared experts, dense
+    layers) are both adapted: peft 0.21 on transformers 5 retargets every ``gate_proj``,
+    ``up_proj`` and ``down_proj`` to the fused routed experts and drops the others' adapters,
+    silently (measured on a tiny DeepSeek-V3: 0.18 off in the logits; routed experts alone load
+    exactly). The folder itself is PEFT's format, exact as written."""
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    modules = {k.removeprefix(PREFIX).rsplit(".", 2)[0] for k in tensors if k.rsplit(".", 3)[-3] in mlp}
+    plain = sorted(m for m in modules if not ROUTED_EXPERT.search(m + "."))
+    if not plain or len(plain) == len(modules):
+        return ""
+    return (f"routed experts and {len(plain)} other MLP linears (e.g. {plain[0]}) are adapted: "
+            "peft (0.21) on transformers >= 5 retargets gate_proj/up_proj/down_proj to the fused "
+            "routed experts and drops the others' adapters when it loads this folder; load it with "
+            "transformers 4 + peft, or into megatron-rlhf (convert peft-to-mcore), or export merged "
+            "(without --peft) for transformers 5")
 
 
 # --- PEFT -> our adapters -------------------------------------------------------------------------
@@ -225,7 +262,7 @@ def load_peft_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vo
     offsets = layer_offsets(model)
     used: set[str] = set()
     for name, adapter in adapters(model):
-        rule = rule_for(f"{name}.weight", arch, padded_vocab, offsets)
+        rule = _rule(name, arch, groups, padded_vocab, offsets)
         modules = [hf.removesuffix(".weight") for hf in rule.hf_names]
         a_parts, b_parts = ([_take(tensors, f"{m}.lora_{ab}.weight", where, used) for m in modules]
                             for ab in "AB")
@@ -233,7 +270,8 @@ def load_peft_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vo
             raise UserError(f"{where}: {', '.join(modules)} each have their own lora_A; megatron fuses "
                             "them into one linear whose adapter has one A (merge this adapter into its "
                             "base instead: peft's merge_and_unload)")
-        tp, rank = groups.layout.tp, groups.tp_rank
+        tp, rank = ((groups.layout.etp, groups.etp_rank) if rule.expert
+                    else (groups.layout.tp, groups.tp_rank))
         a = a_parts[0] if adapter.column else tp_shard(a_parts[0], COLS, rank, tp)
         try:
             b = tp_shard(rule.merge(b_parts), rule.tp_cut, rank, tp) if adapter.column else b_parts[0]
@@ -246,8 +284,12 @@ def load_peft_adapters(model, arch: ModelArch, groups: ParallelGroups, padded_vo
                                 f"shape {shapes} cannot make the base's {name} adapter "
                                 f"{tuple(param.shape)} (an adapter for another model?)")
             param.data.copy_(value.to(param.dtype))
+    if dist.is_initialized() and dist.get_world_size() > 1:  # stages and EP ranks: the union
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, used)
+        used = set().union(*everyone)
     left = sorted(set(tensors) - used)
-    if left and groups.layout.pp == 1:
+    if left:
         raise UserError(f"{where} does not fit this base: {len(left)} tensor(s) adapt modules it does "
                         f"not have or that are not targeted, e.g. {left[0]} (an adapter for another "
                         "model?)")

@@ -243,6 +243,11 @@ class ParallelGroups:
     def etp_rank(self) -> int:
         return dist.get_rank(self.collection.expt_tp) if self.layout.etp > 1 else 0
 
+    @property
+    def expt_dp_rank(self) -> int:
+        """Rank among the ranks holding the same experts (the routed experts' data parallelism)."""
+        return dist.get_rank(self.collection.expt_dp)
+
     def expert_offset(self, num_experts: int) -> int:
         """Global index of this rank's first local expert."""
         return self.ep_rank * (num_experts // self.layout.ep) if num_experts else 0

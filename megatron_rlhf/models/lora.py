@@ -291,6 +291,12 @@ def apply_lora(model, spec: LoRASpec) -> list[str]:
     head = getattr(model, "output_layer", None)
     for param in model.parameters():
         param.requires_grad_(False)
+    # The routers' expert bias (DeepSeek-V3's aux-loss-free balancing) is base too: megatron
+    # moves it after every step, which would make "adapters off" no longer the base (the
+    # reference policy) and leave the change out of a PEFT export (0.075 in a tiny
+    # DeepSeek-V3's logits after 3 steps). Rate 0 keeps it bitwise.
+    if getattr(model.config, "moe_router_enable_expert_bias", False):
+        model.config.moe_router_bias_update_rate = 0.0
     if isinstance(head, ValueHead):
         head.weight.requires_grad_(True)
     for name, base, column, key in found:
