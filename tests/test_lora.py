@@ -310,6 +310,8 @@ def _other_a(tensors: dict) -> dict:
     ("own_a_per_part", ("each have their own lora_A", "merge_and_unload")),
     ("q_and_v_only", ("target_modules has q_proj, v_proj but not k_proj", "linear_qkv")),
     ("rslora", ("use_rslora=True", "plain LoRA")),
+    # As peft 0.21 saves an adapter on transformers 5's fused experts (checked by hand).
+    ("fused_experts", ("target_parameters ['gate_up_proj', 'down_proj']", "merge_and_unload")),
     ("not_peft", ("is not a PEFT adapter folder: no adapter_config.json",)),
 ])
 def test_a_peft_folder_that_cannot_load_is_one_clear_line_and_nothing_is_written(lora, tmp_path, capsys,
@@ -324,6 +326,8 @@ def test_a_peft_folder_that_cannot_load_is_one_clear_line_and_nothing_is_written
               "q_and_v_only": lambda: _edited(source, tmp_path / "p", config={
                   "target_modules": ["q_proj", "v_proj", "o_proj"]}),
               "rslora": lambda: _edited(source, tmp_path / "p", config={"use_rslora": True}),
+              "fused_experts": lambda: _edited(source, tmp_path / "p", config={
+                  "target_parameters": ["gate_up_proj", "down_proj"]}),
               "not_peft": lambda: root / "qwen2_policy"}[case]()
     if case.startswith("other"):
         base = root / "llama_policy"

@@ -209,6 +209,11 @@ def peft_spec(config: dict, where: str, mla: bool = False) -> LoRASpec:
         if config.get(key, want) != want:
             raise UserError(f"{where}: {key}={config.get(key)!r}; megatron-rlhf's adapters are plain "
                             f"LoRA ({key}={want!r})")
+    if config.get("target_parameters"):  # what peft on transformers 5 saves for fused experts
+        raise UserError(f"{where}: target_parameters {config['target_parameters']} adapt transformers "
+                        "5's fused expert parameters at rank 2r over gate and up together, which "
+                        "megatron-rlhf's expert adapters (rank r, one A shared by gate and up) cannot "
+                        "hold (merge this adapter into its base instead: peft's merge_and_unload)")
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
         if config.get(key):
             raise UserError(f"{where}: {key} is set; one rank and alpha for every adapted linear "
