@@ -256,17 +256,6 @@ def test_bad_config_is_one_clear_line(workspace, tmp_path):
     assert stderr.strip().splitlines()[-1].startswith("error: config: algorithm.adv_estimator=grpo")
 
 
-def test_separate_critic_pool_runs(workspace, tmp_path):
-    out = tmp_path / "run"
-    args = overrides(workspace, out, "trainer.max_steps=2", "resource_pool.critic=separate",
-                     "resource_pool.critic_world_size=1", "trainer.eval_every_steps=0")
-    code, stdout, stderr = finish(ppo(args))
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
-    assert "+ 1 critic rank(s)" in stdout
-    assert (out / "checkpoints" / "critic" / "step_00000002").is_dir()
-    assert [r["step"] for r in metrics(out) if "critic/vf_loss" in r] == [1, 2]
-
-
 def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_update(workspace, tmp_path):
     """One epoch over one mini-batch: old log-probs come from the update's own forward and no
     reference model is loaded. Forcing both passes back (a zero-weight in-reward KL needs them)
@@ -324,12 +313,14 @@ def test_multi_turn_ppo_retries_and_trains(workspace, tmp_path):
     assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in rows)  # engine = actor on every turn
 
 
-def test_hanging_and_raising_reward_functions_do_not_stop_the_run(workspace, tmp_path):
+def test_hanging_and_raising_reward_functions_do_not_stop_a_run_with_its_own_critic_pool(workspace, tmp_path):
     """A fifth of the responses hang the reward function and a fifth make it raise: each is
-    scored 0, counted and named, and the run finishes."""
+    scored 0, counted and named, and the run finishes; its critic trains and saves on a pool of
+    its own (one run for both, to spare the suite a run)."""
     out = tmp_path / "run"
     args = overrides(workspace, out, "reward.fn=tests.reward_helpers:flaky", "reward.workers=2",
                      "reward.timeout_s=1", "reward.oracle_fn=addition", "trainer.max_steps=2",
+                     "resource_pool.critic=separate", "resource_pool.critic_world_size=1",
                      "trainer.eval_every_steps=0", "trainer.val_before_train=false")
     code, stdout, stderr = finish(ppo(args))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
@@ -338,6 +329,9 @@ def test_hanging_and_raising_reward_functions_do_not_stop_the_run(workspace, tmp
     assert sum(r["reward/timeouts"] for r in rows) > 0 and sum(r["reward/errors"] for r in rows) > 0
     assert "reward 'tests.reward_helpers:flaky' timed out (reward.timeout_s=1)" in stdout
     assert "reward 'tests.reward_helpers:flaky' raised RuntimeError" in stdout
+    assert "+ 1 critic rank(s)" in stdout
+    assert (out / "checkpoints" / "critic" / "step_00000002").is_dir()
+    assert [r["step"] for r in metrics(out) if "critic/vf_loss" in r] == [1, 2]
 
 
 def test_dapo_gspo_and_rollout_correction_run_end_to_end(workspace, tmp_path):
