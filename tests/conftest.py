@@ -8,6 +8,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# One intra-op thread in every process the suite starts (set before any torch import, inherited
+# by subprocesses, torchrun ranks and Ray workers): two test files run at once on 2 cores, and a
+# process that asks for 2 threads beside another spins in OpenMP barriers on a core the other
+# holds. Measured on the tiny PPO task beside a running suite: 20 s a step at 2 threads, 0.7 s
+# at 1 (docs/testing.md). Results were measured over 1 and 2 threads where bars depend on them.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
 
 
 @pytest.fixture(scope="session")
