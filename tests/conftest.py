@@ -76,6 +76,7 @@ def pytest_runtest_makereport(item, call):
 
 
 _FILE_SECONDS: dict[str, float] = {}
+_WORKER_SECONDS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
@@ -83,12 +84,19 @@ def pytest_runtest_logreport(report):
     # with `--dist loadfile` a file's total is the time one worker spends on it.
     name = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[name] = _FILE_SECONDS.get(name, 0.0) + report.duration
+    node = getattr(report, "node", None)
+    worker = getattr(getattr(node, "gateway", None), "id", "main")
+    _WORKER_SECONDS[worker] = _WORKER_SECONDS.get(worker, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The files that cost the most worker time (docs/testing.md reads them off CI's log)."""
+    """The files that cost the most worker time, and each worker's total (docs/testing.md reads
+    them off CI's log; tests/test_ci_rules.py holds the recorded ones to the budget)."""
     if not _FILE_SECONDS:
         return
     terminalreporter.section("slowest 12 files (setup + call + teardown, one worker each)")
     for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
-        terminalreporter.write_line(f"{seconds:8.1f}s {name}")
+        terminalreporter.write_line(f"| {seconds:.1f} | `{name}` |")
+    terminalreporter.section("busy seconds per worker")
+    for worker, seconds in sorted(_WORKER_SECONDS.items()):
+        terminalreporter.write_line(f"{worker}: {seconds:.1f} s")

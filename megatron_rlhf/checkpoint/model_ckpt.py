@@ -76,6 +76,24 @@ def check_writable(out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def start_writer_queue() -> None:
+    """Start megatron's checkpoint-writer results queue by fork, once per process.
+
+    ``dist_checkpointing`` saves hand their write results back through a ``Manager().Queue()``
+    that megatron-core 0.16.1 starts with the *spawn* method at a process's first save: a fresh
+    interpreter that re-imports the parent's ``__main__`` (torch, megatron), 5-10 s of every
+    process's first checkpoint on 2 cores (0.02 s by fork; docs/testing.md). Megatron forks its
+    writer processes from the same process anyway, so the manager's server is forked too.
+    Call before a save; later calls do nothing.
+    """
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
                           dtype: torch.dtype, hf_assets_dir: str | os.PathLike,
                           sharded_strategy=None, verify=None,
@@ -96,6 +114,7 @@ def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, pa
         (partial / "model").mkdir(parents=True)
         copy_hf_assets(hf_assets_dir, partial / "hf")
     dist.barrier()
+    start_writer_queue()
     dist_checkpointing.save(model.sharded_state_dict(), str(partial / "model"),
                             sharded_strategy=sharded_strategy)
     dist.barrier()

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.model_ckpt import META_FILE, FORMAT_VERSION, dtype_name, read_sharded
+from megatron_rlhf.checkpoint.model_ckpt import (META_FILE, FORMAT_VERSION, dtype_name, read_sharded,
+                                                start_writer_queue)
 from megatron_rlhf.checkpoint.safe_load import (LEGACY_RNG_GLOBALS, RefusedCheckpointFile,
                                                  load_torch_file)
 from megatron_rlhf.errors import UserError
@@ -144,6 +145,7 @@ class CheckpointWriter:
         torch.save(_rng_state(), partial / "rng" / f"rank_{rank:05d}.pt")
         state = {**trainer_state, "scheduler": self.trainable.scheduler.state_dict(),
                  "optimizers": _optimizer_count(self.trainable)}
+        start_writer_queue()
         request = dist_checkpointing.save(_sharded_state(self.trainable, loading=False),
                                           str(partial / "model"),
                                           async_sharded_save=self.async_save)
