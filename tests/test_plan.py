@@ -143,6 +143,21 @@ def test_actor_lora_plans_no_reference_copy(tmp_path):
     assert not _from_config(str(config), SimpleNamespace(gpus=8))[1].reference
 
 
+@pytest.mark.parametrize("uses", ["trainer: {rollback: {kl_threshold: 0.5}}",
+                                  "algorithm: {use_kl_in_reward: false, ref_log_prob: always}"],
+                         ids=["kl_guard", "ref_log_prob_always"])
+def test_a_run_whose_only_kl_use_is_the_guard_or_a_logged_kl_plans_the_reference(tmp_path, capsys, uses):
+    """The trainer loads a reference model for the KL guard and for ``ref_log_prob=always``
+    alone (config/ppo_checks.py: uses_reference); the plan counts its memory by the same rule."""
+    config = tmp_path / "ppo.yaml"
+    config.write_text(f"actor: {{model_path: {MODELS / 'qwen2.5-0.5b'}}}\n" + uses + "\n"
+                      + ("" if uses.startswith("algorithm") else "algorithm: {use_kl_in_reward: false}\n"))
+    code, out, _ = plan(capsys, "--model", MODELS / "qwen2.5-0.5b", "--config", config, "--gpus", 1,
+                        "--json")
+    assert code == 0
+    assert all(p["bytes_per_gpu"]["reference"] > 0 for p in json.loads(out)["layouts"])
+
+
 @pytest.mark.parametrize("model,gpus", [("qwen3-235b-a22b", 16), ("deepseek-v3", 32)])
 def test_lora_plans_the_big_moe_models_on_a_few_nodes(capsys, model, gpus):
     """LoRA rank 32 on every linear (experts and MLA included): layouts fit where none does

@@ -33,6 +33,14 @@ def uses_reference(cfg: PPOConfig) -> bool:
             or cfg.actor.use_kl_loss or cfg.trainer.rollback.kl_threshold > 0)
 
 
+def builds_reference_model(cfg: PPOConfig) -> bool:
+    """Whether a second, frozen policy is built for the reference log-probs: the run uses them
+    (:func:`uses_reference`) and the actor has no LoRA adapters (with adapters the reference is
+    the actor's own base, run with them switched off: ``trainers/rl/policy.reference_policy``).
+    The planner counts its memory by this rule."""
+    return uses_reference(cfg) and not cfg.actor.lora.rank
+
+
 def reuses_update_log_probs(cfg: PPOConfig) -> bool:
     """On-policy updates (one epoch, one mini-batch per step): the old policy *is* the policy
     being updated, so its log-probs come from the update's own forward (ratio exactly 1, as in

@@ -57,7 +57,7 @@ def _from_config(path: str, args):
 
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.parallel import layout_of
-    from megatron_rlhf.config.ppo_checks import uses_critic
+    from megatron_rlhf.config.ppo_checks import builds_reference_model, uses_critic
 
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -77,8 +77,7 @@ def _from_config(path: str, args):
                   distributed_optimizer=a.parallel.use_distributed_optimizer,
                   param_bytes=4 if a.dtype == "float32" else 2,
                   critic=uses_critic(c),
-                  # with actor.lora the reference is the actor's own base: no second copy
-                  reference=bool(c.algorithm.use_kl_in_reward or a.use_kl_loss) and not a.lora.rank,
+                  reference=builds_reference_model(c),
                   reward_model=bool(c.reward.model_path),
                   offload_during_rollout=a.offload.params,
                   lora_rank=a.lora.rank, lora_targets=tuple(a.lora.target_modules),
