@@ -8,6 +8,7 @@ Usage: torchrun --nproc-per-node 4 tests/dist_parity.py MODELS_ROOT WORKDIR OUT.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,10 +32,13 @@ LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2), "tp4":
 
 
 def max_over_world(value: float | None) -> float:
-    """Largest value any rank reports (ranks without an output report None)."""
-    tensor = torch.tensor([-1.0 if value is None else float(value)], dtype=torch.float64)
+    """Largest value any rank reports (ranks without an output report None); NaN when no rank
+    reports one, so that every bar (``<``, ``>``, ``==``) compared with it fails."""
+    reported = value is not None
+    tensor = torch.tensor([float(value) if reported else -math.inf, float(reported)],
+                          dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+    return tensor[0].item() if tensor[1].item() else math.nan
 
 
 def logits_of(model, groups, tokens, vocab):

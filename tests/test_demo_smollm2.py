@@ -89,5 +89,21 @@ def test_reward_model_scored_the_real_replies(demo):
     assert all(math.isfinite(row["reward/rm_mean"]) for row in trained)
     assert all(math.isfinite(row["val/rm_score"]) for row in rows if "val/rm_score" in row)
     assert all(0 < row["actor/kl"] < 0.05 for row in trained)  # moved, within the rollback guard
+    # The reward model's held-out accuracy in the summary is its own: `score-rm` with its final
+    # checkpoint over the held-out pairs finds the same fraction of chosen replies scored higher.
+    import subprocess
+    import sys
+
     rm = json.loads((demo / "rm" / "final_metrics.json").read_text())
-    assert 0.0 <= rm["val/accuracy"] <= 1.0
+    final = sorted((demo / "rm" / "checkpoints").glob("step_*"))[-1]
+    assert final.name == f"step_{rm['step']:08d}"
+    scored = demo.parent / "rm_scored.parquet"
+    proc = subprocess.run([sys.executable, "-m", "megatron_rlhf.cli", "score-rm", "--model-dir", str(final),
+                           "--data", str(demo / "data" / "prefs_val.parquet"), "--output", str(scored)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    table = pq.read_table(scored).to_pydict()
+    wins = [c > r for c, r in zip(table["chosen_reward"], table["rejected_reward"], strict=True)]
+    assert len(wins) >= 8 and abs(rm["val/accuracy"] - sum(wins) / len(wins)) < 1e-9
+    summary = json.loads((demo / "summary.json").read_text())
+    assert summary["rm_pairwise_accuracy_heldout"] == rm["val/accuracy"]

@@ -381,3 +381,21 @@ def test_busy_fractions_count_a_separate_groups_generation_apart():
     assert busy_fractions(timing | {"busy/rollout_seconds": 4.0}, 8.0, separate=True) == {
         "busy/trainers": 0.5, "busy/rollout": 0.5}
     assert busy_fractions(timing, 8.0, separate=True)["busy/rollout"] == 0.25
+
+
+def test_the_kl_guard_refuses_to_pass_an_update_that_reported_no_kl():
+    """A configured KL guard with its metric missing is an error, never a pass (a missing
+    ``actor/kl`` once read as 0); NaN losses and a KL over the line are reasons to roll back."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.trainers.rl.agent import PPORun
+
+    run = SimpleNamespace(cfg=load_config(PPOConfig, None, ["actor.model_path=x",
+                                                            "trainer.rollback.kl_threshold=0.5"]))
+    assert PPORun.guard_reason(run, {"actor/pg_loss": 0.1, "actor/kl": 0.2}) is None
+    assert "exceeds trainer.rollback.kl_threshold=0.5" in PPORun.guard_reason(
+        run, {"actor/pg_loss": 0.1, "actor/kl": 0.7})
+    assert PPORun.guard_reason(run, {"actor/pg_loss": float("nan"), "actor/kl": 0.2}) == "actor/pg_loss is nan"
+    assert PPORun.guard_reason(run, {"critic/vf_loss": 0.3}) is None  # no actor update this step
+    with pytest.raises(RuntimeError, match="reported no actor/kl"):
+        PPORun.guard_reason(run, {"actor/pg_loss": 0.1})

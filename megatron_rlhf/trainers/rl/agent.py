@@ -474,7 +474,12 @@ class PPORun(GenerationAhead, AgentSampling):
         if bad:
             return f"{bad[0]} is {metrics[bad[0]]}"
         limit = self.cfg.trainer.rollback.kl_threshold
-        if limit and metrics.get("actor/kl", 0.0) > limit:
+        if not limit or "actor/pg_loss" not in metrics:  # no guard, or no actor update to judge
+            return None
+        if "actor/kl" not in metrics:  # the guard loads a reference (uses_reference): a bug
+            raise RuntimeError(f"trainer.rollback.kl_threshold={limit} is set but this step's "
+                               "actor update reported no actor/kl")
+        if metrics["actor/kl"] > limit:
             return f"actor/kl {metrics['actor/kl']:.4g} exceeds trainer.rollback.kl_threshold={limit}"
         return None
 
