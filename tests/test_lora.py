@@ -16,6 +16,11 @@ QWEN2 = ("tp1", "tp2", "tp2sp", "pp2", "tp1_distopt")
 RUNS = [("qwen2_policy", label) for label in QWEN2] + [("llama_policy", "tp1"),
                                                        ("llama_policy", "tp2")]
 PARITY = [run for run in RUNS if run[1] != "tp1"]
+# Parity bars of trained adapters against TP1/EP1, a few times what was measured (one thread,
+# 2026-12-07: logits <= 1.3e-6, adapter gradients <= 4.5e-7, engine vs trainer and resharded
+# checkpoints <= 4.8e-7; docs/sft.md) and well under the gaps of the bugs they guard (expert
+# gradients at TP2 with EP1: 1.3e-5 / 3.5e-5; MLA's rotary key: 5.2e-4).
+LOGITS, GRADS, SAME = 5e-6, 2e-6, 2e-6
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +56,12 @@ def test_only_adapters_are_trained_and_the_base_stays_bitwise(lora, model, layou
 def test_trained_adapters_match_tp1(lora, model, layout):
     results = lora[0]
     key = f"{model}/{layout}"
-    assert 0 <= results[f"{key}/logits_vs_tp1"] < 1e-5
+    assert 0 <= results[f"{key}/logits_vs_tp1"] < LOGITS
     # Adam's first steps normalise each element's gradient (update ~ lr * sign), so the weights'
     # agreement is looser than the gradients' (observed 1.4e-5 at lr 1e-2 after 3 steps).
     assert 0 <= results[f"{key}/weights_vs_tp1"] < 1e-4
     if layout != "tp1_distopt":
-        assert 0 <= results[f"{key}/grads_vs_tp1"] < 1e-5
+        assert 0 <= results[f"{key}/grads_vs_tp1"] < GRADS
         assert results[f"{key}/max_abs_grad"] > 1e-3
 
 
@@ -71,9 +76,9 @@ def test_tp2_checkpoint_with_adapters_reloads_at_any_layout(lora, layout):
     results = lora[0]
     assert results["ckpt/lora_spec_recorded"] == 1.0
     # B split along rows (fused QKV, fc1's gate/up halves) and A along columns reshard exactly.
-    assert 0 <= results[f"ckpt/tp2->{layout}/adapters"] < 1e-5
+    assert 0 <= results[f"ckpt/tp2->{layout}/adapters"] < SAME
     # Merged into the weights: a plain model (no adapters, all trainable) with the same logits.
-    assert 0 <= results[f"ckpt/tp2->{layout}/merged"] < 1e-5
+    assert 0 <= results[f"ckpt/tp2->{layout}/merged"] < SAME
     assert results[f"ckpt/tp2->{layout}/merged_is_plain"] == 1.0
 
 
@@ -217,21 +222,21 @@ def test_ppo_worker_with_lora_references_its_base_and_feeds_the_engine_merged_we
     assert results["ppo/critic/optimizer_holds_adapters_only"] == 1.0  # adapters + value head
     assert results["ppo/start/logprob_abs_max"] > 1.0  # real log-probs were compared
     assert results["ppo/start/actor_vs_reference"] == 0.0  # B = 0: the actor is its base, exactly
-    assert results["ppo/start/engine_vs_trainer"] < 1e-5
+    assert results["ppo/start/engine_vs_trainer"] < SAME
     # After 3 updates the adapters moved the policy away from the base, the trainer's W stayed
     # bitwise, and the engine (synced with W + alpha/r B A) scores like the trainer, not the base.
     assert results["ppo/trained/actor_vs_reference"] > 0.1
     assert results["ppo/trained/engine_vs_reference"] > 0.1
-    assert results["ppo/trained/engine_vs_trainer"] < 1e-5
+    assert results["ppo/trained/engine_vs_trainer"] < SAME
     assert results["ppo/base_bitwise_unchanged"] == 1.0
 
 
 def test_merged_expert_adapters_reach_the_engine_at_ep2(lora):
     results = lora[0]
     assert results["ppo_moe/expert_adapters"] > 0  # this rank's routed experts carry adapters
-    assert results["ppo/moe_start/engine_vs_trainer"] < 1e-5
+    assert results["ppo/moe_start/engine_vs_trainer"] < SAME
     assert results["ppo/moe_trained/actor_vs_reference"] > 0.05  # the adapters moved the policy
-    assert results["ppo/moe_trained/engine_vs_trainer"] < 1e-5
+    assert results["ppo/moe_trained/engine_vs_trainer"] < SAME
 
 
 def test_ppo_worker_with_lora_resumes_actor_and_critic_exactly(lora):
@@ -407,8 +412,8 @@ def test_adapters_on_moe_experts_match_ep1(lora, model, layout):
     assert results[f"{key}/adapters_change_the_model"] > 0.1  # B != 0: every adapter acts
     assert results[f"{key}/ddp_params_are_adapters"] == 1.0
     assert results[f"{key}/base_bitwise_unchanged"] == 1.0
-    assert results[f"{key}/logits_vs_tp1"] < 1e-5
-    assert results[f"{key}/grads_vs_tp1"] < 1e-5 and results[f"{key}/max_abs_grad"] > 1e-3
+    assert results[f"{key}/logits_vs_tp1"] < LOGITS
+    assert results[f"{key}/grads_vs_tp1"] < GRADS and results[f"{key}/max_abs_grad"] > 1e-3
     assert results[f"{key}/weights_vs_tp1"] < 1e-4  # Adam divides tiny gradients by their size
 
 
