@@ -75,6 +75,18 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped in CI, where every test must run: {reason}"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole file skipped while it is collected (a module-level
+    ``importorskip`` or ``pytest.skip(allow_module_level=True)``): in CI that file fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if strict_ci() and report.skipped:
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{collector.nodeid} skipped in CI, where every test must run: {reason}"
+
+
 _FILE_SECONDS: dict[str, float] = {}
 _WORKER_SECONDS: dict[str, float] = {}
 

@@ -26,27 +26,53 @@ def test_plain():
 '''
 
 
-@pytest.mark.parametrize("ci", [False, True], ids=["local", "ci"])
-def test_a_missing_component_skips_locally_and_fails_in_ci(tmp_path, ci):
-    probe = REPO / "tests" / f"_ci_probe_{os.getpid()}_{int(ci)}_test.py"
-    probe.write_text(PROBE)
+# Files skipped whole while collected: never seen by the per-test hook.
+MODULE_SKIPS = {"importorskip": 'import pytest\npytest.importorskip("no_such_module_for_the_ci_rule")\n'
+                                "def test_x():\n    pass\n",
+                "skip": 'import pytest\npytest.skip("no frobnicator here", allow_module_level=True)\n'
+                        "def test_x():\n    pass\n"}
+
+
+def _run_probes(probes: dict[str, str], ci: bool) -> str:
+    """pytest over probe files written under tests/ (removed after), CI=true or not."""
+    paths = [REPO / "tests" / f"_ci_probe_{os.getpid()}_{int(ci)}_{name}_test.py" for name in probes]
+    for path, text in zip(paths, probes.values()):
+        path.write_text(text)
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "REQUIRE_SLURM")}
     if ci:
         env["CI"] = "true"
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-o", "addopts=",
-                               "-rA", "-q", str(probe)], capture_output=True, text=True, cwd=REPO,
-                              env=env, timeout=120)
+                               "-rA", "-q", *map(str, paths)], capture_output=True, text=True,
+                              cwd=REPO, env=env, timeout=120)
     finally:
-        probe.unlink()
-    out = proc.stdout + proc.stderr
+        for path in paths:
+            path.unlink()
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("ci", [False, True], ids=["local", "ci"])
+def test_a_missing_component_skips_locally_and_fails_in_ci(tmp_path, ci):
+    code, out = _run_probes({"tests": PROBE}, ci)
     if ci:
-        assert proc.returncode == 1 and "2 failed, 1 passed" in out, out
+        assert code == 1 and "2 failed, 1 passed" in out, out
         assert "CI requires the frobnicator (apt-get install frobnicator)" in out, out
         assert "skipped in CI, where every test must run" in out and "no_such_module" in out, out
     else:
-        assert proc.returncode == 0 and "1 passed, 2 skipped" in out, out
+        assert code == 0 and "1 passed, 2 skipped" in out, out
         assert "the frobnicator" in out, out
+
+
+@pytest.mark.parametrize("ci", [False, True], ids=["local", "ci"])
+def test_a_file_skipped_whole_skips_locally_and_fails_in_ci(ci):
+    code, out = _run_probes(MODULE_SKIPS, ci)
+    if ci:
+        assert code == 2 and "2 errors" in out, out  # collection errors: the run stops there
+        assert all(f"_{name}_test.py skipped in CI, where every test must run" in out
+                   for name in MODULE_SKIPS), out
+        assert "no_such_module_for_the_ci_rule" in out and "no frobnicator here" in out, out
+    else:
+        assert code == 5 and "2 skipped" in out, out  # 5: nothing ran, nothing failed
 
 
 # The suite's time budget (issue "A CI that finishes on a slow machine"): `.ci/run` under 30
