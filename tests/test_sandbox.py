@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -95,28 +94,28 @@ def test_no_network_local_or_public(sandbox):
     assert lines[3] == "1"  # one interface (lo), down
 
 
+@pytest.mark.timeout(120, method="thread")  # a sandbox that waits for its sleepers fails here
 def test_a_fork_bomb_hits_the_process_limit(sandbox):
     code = ("import os, time\nn = 0\ntry:\n    for _ in range(1000):\n        if os.fork() == 0:\n"
             "            time.sleep(60)\n            os._exit(0)\n        n += 1\n"
             "except OSError as e:\n    print('stopped after', n, e.errno)")
-    start = time.perf_counter()
     run = run_python(code, LIMITS, sandbox)
     # RLIMIT_NPROC (16, counted in its own user namespace): fork fails with EAGAIN; when the
     # code ends, bwrap's PID namespace takes its sleeping children down with it.
     assert run.output.startswith("stopped after ") and run.output.split()[-1] == "11", run.output
     assert int(run.output.split()[2]) < LIMITS.processes
-    assert not run.timed_out and time.perf_counter() - start < 30  # not waited for (60 s each)
+    assert not run.timed_out  # ended by itself inside the 10 s wall limit: sleepers not waited for
 
 
+@pytest.mark.timeout(240, method="thread")  # a wall-clock limit that never fires fails here
 def test_an_endless_loop_hits_the_cpu_limit_and_a_sleeper_the_wall_clock(sandbox):
     # A wall-clock limit far above the CPU limit: SIGXCPU comes first however loaded the machine.
     run = run_python("while True:\n    pass", replace(LIMITS, wall_s=120), sandbox)
     assert run.signal == 24 and not run.timed_out  # SIGXCPU: RLIMIT_CPU (2 s)
     assert LIMITS.cpu_s <= run.seconds
-    start = time.perf_counter()
-    run = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.5), sandbox)
+    run = run_python("import time\ntime.sleep(60)\nprint('woke')", SandboxLimits(wall_s=1.5), sandbox)
     assert run.timed_out and run.exit_code is None  # the wall-clock timeout killed the group
-    assert time.perf_counter() - start < 30  # long before the 60 s sleep ends
+    assert "woke" not in run.output  # before the sleep ended
 
 
 def test_memory_and_file_size_limits(sandbox):
@@ -179,6 +178,9 @@ def test_isolation_is_probed_as_the_user_the_code_runs_as():
     found = isolation()
     assert isinstance(found, Isolation)
     assert (found.bwrap is None) == bool(found.missing)
-    if os.geteuid() == 0 and found.bwrap is not None:
-        run = run_python("import os\nprint(os.getuid(), os.getgid(), os.getgroups())", LIMITS, found)
-        assert run.output.split()[:2] == ["65534", "65534"]  # nobody: root is exempt from NPROC
+    if os.geteuid() != 0:
+        missing("root: code runs as nobody only when the trainer is root (tools/in_venv.sh)")
+    if found.bwrap is None:
+        missing(f"bubblewrap able to isolate code ({found.missing})")
+    run = run_python("import os\nprint(os.getuid(), os.getgid(), os.getgroups())", LIMITS, found)
+    assert run.output.split()[:2] == ["65534", "65534"]  # nobody: root is exempt from NPROC
