@@ -176,3 +176,17 @@ def test_lora_plans_the_big_moe_models_on_a_few_nodes(capsys, model, gpus):
         assert terms["gradients"] < full["gradients"] / 20 and terms["optimizer"] < full["optimizer"] / 20
     code, out, _ = plan(capsys, "--model", MODELS / model, "--gpus", gpus, "--lora-rank", 32, "--top", 1)
     assert "LoRA rank 32 on" in out and "(megatron's local layers)" in out
+
+
+def test_the_plan_says_which_terms_no_measurement_checked(capsys):
+    """Activations under ``--kernels te`` (the default: what a GPU image runs) come from a
+    formula never measured here; the plan says so in its text and its JSON, and not for the
+    measured ``--kernels local``."""
+    args = ("--model", MODELS / "qwen2.5-7b", "--gpus", 8, "--top", 1)
+    _, out, _ = plan(capsys, *args)
+    assert "(--kernels te), not measured by this project" in out
+    _, out, _ = plan(capsys, *args, "--kernels", "local")
+    assert "not measured" not in out and "measured: within 15%" in out
+    for kernels, unmeasured in (("te", ["activations"]), ("local", [])):
+        _, out, _ = plan(capsys, *args, "--kernels", kernels, "--json")
+        assert json.loads(out)["unmeasured"] == unmeasured

@@ -381,6 +381,9 @@ def _check_one_step_off(caller, out, rows):
     raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
            if "actor/pg_loss" in line]
     assert all(r["timing/overlap"] > 0 for r in raw[1:])
+    # The 8 s calculator outlasts the tiny update: a weight sync came while the next step's
+    # trajectories waited for a tool round, and waited for them (every turn above: one version).
+    assert any(r["rollout/tool_rounds_at_sync"] > 0 for r in raw), [r.get("rollout/tool_rounds_at_sync") for r in raw]
     weights = {0: caller / "base"}
     for step in (1, 2):
         weights[step] = out / f"hf_{step}"

@@ -33,8 +33,9 @@ def add_arguments(plan: argparse.ArgumentParser) -> None:
                            "actor.offload.params, which --config reads; this flag plans it "
                            "without a config)")
     plan.add_argument("--kernels", choices=("te", "local"), default="te",
-                      help="te: Transformer Engine + flash attention (GPU); local: megatron's "
-                           "local spec (CPU)")
+                      help="te: Transformer Engine + flash attention, what a GPU cluster's image "
+                           "runs (its activation formula is not measured here: the plan says "
+                           "so); local: megatron's local spec, as on CPU (measured)")
     plan.add_argument("--lora-rank", type=int, default=0,
                       help="without --config: LoRA adapters of this rank on every linear the "
                            "model has (experts and multi-latent attention included); a --config "
@@ -139,6 +140,11 @@ def _why_not(best, hw: Hardware) -> str:
             f"needs {best.total / GIB:.1f} GiB per GPU, {what} {running / GIB:.1f} GiB")
 
 
+def _unmeasured(run) -> list[str]:
+    """Terms of the plan whose formula no measurement here has checked (docs/planner.md)."""
+    return ["activations"] if run.kernels == "te" and not (run.lora_rank or run.critic_lora_rank) else []
+
+
 def run_plan(args) -> int:
     from megatron_rlhf.convert.checkpoints import read_hf_arch
 
@@ -183,6 +189,7 @@ def run_plan(args) -> int:
         print(json.dumps({"model": args.model, "family": arch.family,
                           "params_total": model_params(arch), "params_active": active_params(arch),
                           "gpus": hw.gpus, "gpu_mem_gib": hw.gpu_mem_gib, "job": run.job,
+                          "kernels": run.kernels, "unmeasured": _unmeasured(run),
                           "layouts": [p.as_json() for p in plans]}, indent=1))
     else:
         lora = (f", LoRA rank {run.lora_rank} on {', '.join(run.lora_targets)} (megatron's local "
@@ -190,6 +197,11 @@ def run_plan(args) -> int:
         print(f"{arch.family}: {model_params(arch) / 1e9:.2f}B parameters, "
               f"{active_params(arch) / 1e9:.2f}B active per token; {run.job} on {hw.gpus} GPUs "
               f"({hw.gpus_per_node} per node){lora}")
+        print("activations: Korthikanti et al. 2022's formula for Transformer Engine "
+              "(--kernels te), not measured by this project; --kernels local (megatron's local "
+              "spec) is measured, within 15% of the tensors autograd saves"
+              if _unmeasured(run) else "activations: megatron's local spec (--kernels local, or "
+              "LoRA's adapted layers), measured: within 15% of the tensors autograd saves")
         shown = plans if args.config else plans[:args.top]
         print(_table(shown, hw))
         for i, p in enumerate(shown, 1):

@@ -399,20 +399,22 @@ class PPORun(GenerationAhead, AgentSampling):
         own = [self.actor] if self.judged else [self.actor, self.critic]
         return list({id(g): g for g in own}.values())
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int) -> dict[str, float]:
         """The actor's weights (those of step ``version``) into its rollout engines: on its own
         ranks, or over the bridge into the separate rollout group (both groups take part
-        together; on its ranks the receive follows any generation started ahead)."""
-        self.wait_ahead()  # with tools: their turns stay on the weights they started with
+        together; on its ranks the receive follows any generation started ahead). Returns
+        ``rollout/tool_rounds_at_sync`` with tools ahead: steps whose rounds it waited for."""
+        waited = self.wait_ahead()  # with tools: their turns stay on the weights they started with
         self.engine_version = version
         if self.rollout_group is None:
             self.actor.call(PPOWorker.sync_weights)
-            return
+            return {}
         from megatron_rlhf.orchestration.worker_group import call_together
         from megatron_rlhf.trainers.rl.rollout_worker import RolloutWorker
 
         call_together((self.actor, PPOWorker.sync_weights),
                       (self.rollout_group, RolloutWorker.receive_weights))
+        return {"rollout/tool_rounds_at_sync": float(waited)} if self.tools is not None else {}
 
     def checkpoint_folders(self, step: int) -> list[Path]:
         return [self.ckpt_root / role / f"step_{step:08d}" for role in self.roles]

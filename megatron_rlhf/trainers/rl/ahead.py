@@ -73,12 +73,15 @@ class GenerationAhead:
         gens, metrics = self.tool_trajectories(prompts, params)
         return {"gens": gens, "metrics": metrics, "span": (start, time.time())}
 
-    def wait_ahead(self) -> None:
+    def wait_ahead(self) -> int:
         """With tools, before a weight sync: the trajectories started ahead finish every turn on
-        the weights they started with (the sync would otherwise land between two rounds)."""
+        the weights they started with (the sync would otherwise land between two rounds).
+        Returns how many steps' tool rounds were still running, which the sync waited for."""
+        running = [f for f in self.inflight.values() if isinstance(f.refs, Future) and not f.refs.done()]
         for flight in self.inflight.values():
             if isinstance(flight.refs, Future):
                 flight.refs.result()
+        return len(running)
 
     def take_ahead(self, step: int) -> dict | None:
         """The generations started ahead for ``step`` (with their staleness and overlap), or

@@ -38,7 +38,7 @@ def fit(run: RLRun) -> dict[str, float]:
             continue
         with timer("sync"):
             for name in episodes:
-                run.agents[name].sync_weights(run.step + 1)
+                metrics |= run.named(name, run.agents[name].sync_weights(run.step + 1))
         for name, u in updates.items():  # the KL controllers move on accepted steps only
             kl = run.agents[name].advance_kl(u.advantages, episodes[name].batch)
             metrics |= run.named(name, u.metrics | kl)
