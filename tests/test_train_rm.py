@@ -293,3 +293,35 @@ def test_finished_run_is_left_alone(workspace, reference, capsys):
                  *overrides(workspace, out, 20)]) == 0
     assert "already finished 20 steps" in capsys.readouterr().out
     assert (out / "final_metrics.json").read_text() == before
+
+
+def test_a_lora_reward_model_trains_and_scores_like_its_merged_export(workspace, tmp_path):
+    """``train-rm`` with ``model.lora``: a checkpoint recording the adapters, whose ``score-rm``
+    scores (adapters applied by our layers) equal those of its merged export in transformers,
+    both sides of every pair scored; training moved the adapters (the merged weights differ
+    from the base's)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from megatron_rlhf.data.chat import render_pair
+
+    out = tmp_path / "lora"
+    proc = run_cli(overrides(workspace, out, 8, "trainer.save_every_steps=0", "model.lora.rank=8",
+                             "model.lora.alpha=16", "optim.lr=1e-2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checkpoint = out / "checkpoints" / "step_00000008"
+    assert json.loads((checkpoint / "megatron_rlhf.json").read_text())["lora"]["rank"] == 8
+    hf, merged = _final_weights(checkpoint, tmp_path)  # convert merges the adapters
+    base = load_file(workspace / "base" / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged[name] - base[name]).abs().max() > 1e-4  # the adapters were trained
+    scored = tmp_path / "scored.parquet"
+    assert main(["score-rm", "--model-dir", str(checkpoint), "--data",
+                 str(workspace / "data" / "prefs_val.parquet"), "--output", str(scored)]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    with torch.no_grad():
+        for row in pq.read_table(scored).slice(0, 6).to_pylist():
+            for side in ("chosen", "rejected"):
+                ids = torch.tensor([render_pair(tokenizer, row["prompt"], row[side])])
+                assert abs(model(ids).logits[0, 0].item() - row[f"{side}_reward"]) < 1e-5, side
