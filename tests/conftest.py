@@ -37,9 +37,12 @@ def family_models(tmp_path_factory):
 # the two single-test acceptance runs, 11 minutes together, ended the run on one worker while
 # the other idled), so the longest go first and the short ones fill in around them
 # (docs/testing.md has the times).
-LONGEST_FIRST = ("test_demo.py", "test_slurm_two_nodes.py", "test_ppo.py",
-                 "test_demo_smollm2.py", "test_interrupted_runs.py", "test_multi_agent.py", "test_moe_training.py",
-                 "test_train_rm.py", "test_sft.py")
+LONGEST_FIRST = ("test_demo.py", "test_slurm_two_nodes.py", "test_demo_smollm2.py",
+                 "test_multi_agent.py", "test_ppo_guard.py", "test_interrupted_runs.py",
+                 "test_train_rm.py", "test_ppo_recipes.py", "test_multi_agent_modes.py",
+                 "test_ppo.py", "test_ppo_async.py", "test_sft.py", "test_moe_training.py",
+                 "test_lora.py", "test_families.py", "test_convert.py", "test_plan.py",
+                 "test_tool_turns.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -313,7 +313,7 @@ def test_ppo_with_tools_trains_on_the_policys_tokens_and_logs_tool_metrics(calle
     rollout group (the driver's thread runs each step's tool rounds while the trainers update)."""
     from transformers import AutoTokenizer
 
-    from tests.test_ppo import finish, metrics, overrides, ppo
+    from tests.ppo_helpers import finish, metrics, overrides, ppo
 
     tools = tmp_path / "tools.yaml"
     tools.write_text("- name: calculator\n" if schedule == "on_policy" else SLOW_CALCULATOR)
@@ -375,7 +375,7 @@ def _check_one_step_off(caller, out, rows):
     import torch
 
     from megatron_rlhf.cli import main
-    from tests.test_ppo import teacher_forced
+    from tests.ppo_helpers import teacher_forced
 
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
     raw = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
@@ -409,7 +409,7 @@ def test_a_population_of_agents_calls_tools(caller, tmp_path):
     from megatron_rlhf.config.loader import load_config
     from megatron_rlhf.config.ppo_schema import PPOConfig
     from megatron_rlhf.errors import UserError
-    from tests.test_ppo import finish, metrics, ppo
+    from tests.ppo_helpers import finish, metrics, ppo
 
     base, data, out = caller / "base", caller / "data", tmp_path / "pop"
     args = [f"agents=[{{name: a, model_path: {base}}}, {{name: b, model_path: {base}}}]",
