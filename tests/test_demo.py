@@ -35,6 +35,14 @@ def test_demo_runs_end_to_end(tmp_path):
     # them, which gave the same runs): the worst gained +26.5 points, the median +32.5
     # (docs/benchmarks.md, 2026-12-05).
     assert summary["ppo_oracle_acc"] - summary["sft_oracle_acc"] >= 0.20
+    # The run is compared with the measured spread in words that fit it, and the long stages
+    # showed their progress lines (rate and ETA) in the terminal, not only in their logs.
+    from megatron_rlhf.demo import spread_line
+
+    assert spread_line(100 * (summary["ppo_oracle_acc"] - summary["sft_oracle_acc"])) in proc.stdout
+    for stage in ("reward-model", "ppo"):
+        assert any(line.startswith(f"[demo] {stage}: step ") and "ETA" in line
+                   for line in proc.stdout.splitlines()), stage
     # The closing A/B test (megatron-rlhf ab-test, PPO vs SFT): its win rate and bootstrap
     # interval, printed and well-formed. No bar on the win rate itself: its spread is unmeasured.
     import pyarrow.parquet as pq
@@ -73,3 +81,28 @@ def _reward_model_logged(run, log: str) -> None:
             "val/chosen_reward_mean", "val/rejected_reward_std", "train/lr",
             "throughput/pairs_per_s", "throughput/tokens_per_s"} <= tags, tags
     assert "pairs/s" in log and "ETA" in log
+
+
+def test_the_spread_line_says_where_a_run_landed():
+    from megatron_rlhf.demo import SPREAD_POINTS, spread_line
+
+    low, high = SPREAD_POINTS
+    assert "+45.5 points, above the spread measured on one machine" in spread_line(45.5)
+    assert "inside the spread" in spread_line((low + high) / 2)
+    assert "below the spread" in spread_line(low - 1) and "other CPUs round differently" in spread_line(0)
+
+
+def test_a_stage_echoes_its_newest_progress_line(tmp_path, capsys, monkeypatch):
+    """``_stage`` shows what the stage's log says while it runs: its ``step`` lines, throttled."""
+    import megatron_rlhf.demo as demo
+
+    monkeypatch.setattr(demo, "PROGRESS_EVERY_S", 0.0)
+    code = ("import time\nfor i in range(1, 4):\n    print(f'step {i}/3 | 1.0 it/s | ETA 0m0{3 - i}s', "
+            "flush=True)\n    time.sleep(0.7)\nprint('other output')")
+    script = tmp_path / "probe.py"
+    script.write_text(code)
+    demo._stage(tmp_path, "probe", [], command=(str(script),))
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[demo] probe: step")]
+    assert shown and all(line.startswith("[demo] probe: step ") and "ETA" in line for line in shown)
+    assert len(shown) == len(set(shown))  # each line once
+    assert (tmp_path / "logs" / "probe.log").read_text().endswith("other output\n")
