@@ -6,6 +6,8 @@ doubled, no unfinished checkpoint left; a finished run relaunched does nothing; 
 (``trainer.stop_at``) stops a run in time."""
 
 import random
+import subprocess
+import sys
 import signal
 import time
 
@@ -195,3 +197,26 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_ch
     assert finish(proc) == 0, log.read_text()[-3000:]
     assert "resumed from" in log.read_text() and "committed" in log.read_text()
     _assert_same_run(out, reference)
+
+
+def test_the_checkpoint_writer_queue_dies_with_its_process():
+    """megatron's checkpoint-writer results queue runs in a server process of its own
+    (checkpoint/model_ckpt.py:start_writer_queue); a trainer SIGKILLed takes it along instead
+    of leaving it behind (megatron's own, started by spawn, outlived killed runs)."""
+    import psutil
+
+    code = ("from megatron_rlhf.checkpoint.model_ckpt import start_writer_queue\n"
+            "start_writer_queue()\n"
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async as f\n"
+            "f._results_queue.put(7)\nassert f._results_queue.get() == 7\n"
+            "import os, time\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        servers = psutil.Process(proc.pid).children()
+        assert len(servers) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    gone, alive = psutil.wait_procs(servers, timeout=30)
+    assert not alive, f"the queue's server outlived its killed process: {alive}"

@@ -91,7 +91,23 @@ def start_writer_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        from multiprocessing.managers import SyncManager
+
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(_die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
+def _die_with_parent() -> None:
+    """In the queue's server process: end when the process that started it ends, even by
+    SIGKILL (megatron's spawn-started one outlived a killed trainer)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server stays until its parent's exit
+        pass
 
 
 def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
