@@ -87,6 +87,7 @@ def start_writer_queue() -> None:
     Call before a save; later calls do nothing.
     """
     import multiprocessing
+    import threading
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -94,7 +95,10 @@ def start_writer_queue() -> None:
         from multiprocessing.managers import SyncManager
 
         manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        manager.start(_die_with_parent)
+        # The death signal follows the thread that forks: only the main thread lives as long as
+        # the process (saves run there today; from another thread the server just stays).
+        main = threading.current_thread() is threading.main_thread()
+        manager.start(_die_with_parent if main else None)
         filesystem_async._results_queue = manager.Queue()
 
 

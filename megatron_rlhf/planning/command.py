@@ -142,7 +142,7 @@ def _why_not(best, hw: Hardware) -> str:
 
 def _unmeasured(run) -> list[str]:
     """Terms of the plan whose formula no measurement here has checked (docs/planner.md)."""
-    return ["activations"] if run.kernels == "te" and not (run.lora_rank or run.critic_lora_rank) else []
+    return ["activations"] if run.te_layers else []
 
 
 def run_plan(args) -> int:

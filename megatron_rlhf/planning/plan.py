@@ -69,6 +69,12 @@ class Run:
     critic_lora_rank: int = 0
     critic_lora_targets: tuple[str, ...] = ()
 
+    @property
+    def te_layers(self) -> bool:
+        """Planned on Transformer Engine's layers (``--kernels te`` and no adapters): their
+        activation formula is the one no measurement here has checked."""
+        return self.kernels == "te" and not (self.lora_rank or self.critic_lora_rank)
+
 
 @dataclass
 class LayoutPlan:
@@ -100,7 +106,7 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     expert_dp = layout.tp * layout.dp // (layout.ep * layout.etp)
     # Transformer Engine's specs replicate MLA's down projections; LoRA runs on the local spec.
-    te = run.kernels == "te" and not (run.lora_rank or run.critic_lora_rank)
+    te = run.te_layers
     tensors = rank_tensors(arch, layout, stage, te, padded)
     if run.lora_rank:
         tensors = with_lora(tensors, run.lora_rank, run.lora_targets, arch.kind == "value")
