@@ -66,6 +66,22 @@ def test_worker_exception_names_rank_and_cause(ray_cluster):
         group.call(Echo.fail, 0)
 
 
+def test_a_local_cluster_starts_no_idle_workers(ray_cluster):
+    """Ours are actors with their own runtime_env, which Ray never gives a prestarted worker: a
+    local cluster prestarting one per logical CPU (5 here) only spent a second of CPU on each."""
+    import ray
+
+    group = WorkerGroup("one", 1, use_gpu=False)
+    group.build(Echo, "e")
+    assert group.call(Echo.whoami) == [("e", 0, 1)]
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    children = Path(f"/proc/{raylet}/task/{raylet}/children").read_text().split()
+    names = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in children
+             if Path(f"/proc/{pid}").exists()]
+    assert b"ray::RankActor" in names, names  # the raylet's children are its workers
+    assert not [n for n in names if n.startswith(b"ray::IDLE")], names
+    group.shutdown()
+
 
 PROBE = """
 import ray

@@ -143,3 +143,28 @@ def test_local_layers_without_te_build_what_megatron_refuses(fresh_platform):
                              layernorm_zero_centered_gamma=False, persist_layer_norm=False)
     norm = WrappedTorchNorm(config, 8, 1e-6)
     assert config.sequence_parallel and all(p.sequence_parallel for p in norm.parameters())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_megatron_imports_on_cpu_without_torch_compile_and_runs_its_fused_functions_eagerly():
+    """Its first import under the platform pulls in neither TorchDynamo nor Inductor (2 s of every
+    rank's start), a fused function is the plain function, and wandb still imports for our logger."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.util\n"
+        "from megatron_rlhf.distributed.platform import apply_platform\n"
+        "apply_platform()\n"
+        "import megatron.core.models.gpt, megatron.core.transformer.moe.router as router\n"
+        "import megatron.core.jit as jit\n"
+        "from megatron.core.fusions.fused_bias_gelu import bias_gelu\n"
+        "assert 'torch._dynamo' not in sys.modules and 'torch._inductor' not in sys.modules\n"
+        "assert jit.jit_fuser is jit.noop_decorator\n"
+        "assert type(bias_gelu).__name__ == 'function', type(bias_gelu)\n"
+        "assert type(router.TopKRouter._apply_expert_bias).__name__ == 'function'\n"
+        "if importlib.util.find_spec('wandb') is not None:\n"
+        "    import wandb; assert wandb.__name__ == 'wandb'\n"
+        "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -16,7 +16,12 @@ megatron-core 0.16.1 assumes a GPU in ways no config flag turns off:
    synchronous, so they become no-ops;
 10. MoE split sizes meant for ``all_to_all_single`` reach it as numpy only from a GPU;
 11. YaRN rotary embeddings (MLA) enter ``torch.device(torch.cuda.current_device())`` unless told
-    to initialise on the CPU, which MLA never does.
+    to initialise on the CPU, which MLA never does;
+12. ``megatron.core.jit.jit_fuser`` is ``torch.compile``, applied to fusable functions as
+    megatron-core imports: the import alone pulls in TorchDynamo and Inductor (about 2 s of every
+    process's start on a 2-core machine), and compiling for the CPU would need a C++ toolchain.
+    On CPU megatron-core is imported with its fuser as the identity, so those functions run eagerly
+    (:func:`_import_megatron_eagerly`).
 
 Without Transformer Engine (any device) megatron-core 0.16.1's local layers have bugs of their
 own, fixed by :func:`apply_no_te_fixes` (each fix names the error it prevents).
@@ -398,6 +403,31 @@ def _fresh_adam_state_for_loading() -> None:
            set_states_keeping_step)
 
 
+def _import_megatron_eagerly() -> None:
+    """megatron-core's fuser as the identity: its first import runs with ``torch.compile`` as the
+    identity (``jit_fuser`` is bound once, in ``megatron.core.jit``, and applied as modules load),
+    and ``jit_fuser`` stays the identity for whatever imports it later. Its optional ``wandb``
+    import (inference contexts' logging, 0.6 s) is skipped the same way; our own wandb logger
+    imports it when asked."""
+    import sys
+
+    if "megatron.core" not in sys.modules:
+        compile_ = torch.compile
+        hid_wandb = "wandb" not in sys.modules
+        if hid_wandb:
+            sys.modules["wandb"] = None  # `import wandb` raises ImportError: megatron's fallback
+        torch.compile = lambda model=None, **_kw: model if model is not None else (lambda fn: fn)
+        try:
+            import megatron.core  # noqa: F401
+        finally:
+            torch.compile = compile_
+            if hid_wandb and sys.modules.get("wandb", 0) is None:
+                del sys.modules["wandb"]
+    import megatron.core.jit as mcore_jit
+
+    _patch(mcore_jit, "jit_fuser", mcore_jit.noop_decorator)
+
+
 def apply_platform() -> bool:
     """Install the CPU bridge once per process (a no-op when CUDA is available), and the fixes
     for megatron-core's local layers when Transformer Engine is absent.
@@ -408,6 +438,8 @@ def apply_platform() -> bool:
         if _STATE.applied:
             return _STATE.mode is not None
         _STATE.applied = True
+        if platform_is_cpu():
+            _import_megatron_eagerly()
         if not has_transformer_engine():
             apply_no_te_fixes()
         if not platform_is_cpu():

@@ -31,9 +31,13 @@ def start_ray(cfg: RayConfig, ranks: int, use_gpu: bool) -> bool:
         return False
     # "local": Ray's default joins the newest cluster recorded under /tmp/ray (another job's on a
     # shared node, or a test's beside this one), and then refuses num_cpus.
+    # No prestarted workers: ours are actors with their own runtime_env, which Ray never hands to a
+    # prestarted worker, so those would only import Ray and idle (one per logical CPU).
     ray.init(address="local", num_cpus=cfg.num_cpus or ranks + 1, num_gpus=None if use_gpu else 0,
              object_store_memory=cfg.object_store_mb * 2 ** 20, include_dashboard=False,
-             runtime_env=env, log_to_driver=True, configure_logging=False)
+             runtime_env=env, log_to_driver=True, configure_logging=False,
+             _system_config={"enable_worker_prestart": False,
+                             "prestart_worker_first_driver": False})
     return True
 
 
