@@ -132,6 +132,11 @@ def train_state_bytes(tensors: list[Tensor], dp: int, expert_dp: int, param_byte
             real = sum(t.numel for t in members)
             weights += real * param_bytes
             optimizer += real * per_element
-    if offload:
-        return StateBytes(weights, gradients, 0, optimizer)
-    return StateBytes(weights, gradients, optimizer, 0)
+    state = StateBytes(weights, gradients, optimizer, 0)
+    return offloaded(state) if offload else state
+
+
+def offloaded(state: StateBytes) -> StateBytes:
+    """``state`` (computed on the GPU) with its optimizer share held by the optimizer's CPU
+    offload instead: the same bytes, in host memory."""
+    return StateBytes(state.weights, state.gradients, 0, state.optimizer + state.optimizer_offloaded)

@@ -18,7 +18,7 @@ from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
 from megatron_rlhf.planning.activations import (Workload, decoder_saved_bytes, kv_bytes_per_token,
                                                 logits_bytes, recompute_working_bytes)
-from megatron_rlhf.planning.memory import train_state_bytes
+from megatron_rlhf.planning.memory import offloaded, train_state_bytes
 from megatron_rlhf.planning.params import RankParams, model_params, rank_tensors, with_lora
 
 GIB = 2 ** 30
@@ -107,13 +107,19 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
     expert_dp = layout.tp * layout.dp // (layout.ep * layout.etp)
     # Transformer Engine's specs replicate MLA's down projections; LoRA runs on the local spec.
     te = run.te_layers
-    tensors = rank_tensors(arch, layout, stage, te, padded)
-    if run.lora_rank:
-        tensors = with_lora(tensors, run.lora_rank, run.lora_targets, arch.kind == "value")
-    state = train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes,
-                              run.distributed_optimizer, run.optimizer_offload)
-    variants = {name: train_state_bytes(tensors, layout.dp, expert_dp, run.param_bytes, dist_opt,
-                                        offload)
+    base = rank_tensors(arch, layout, stage, te, padded)
+    tensors = with_lora(base, run.lora_rank, run.lora_targets, arch.kind == "value") \
+        if run.lora_rank else base
+    on_gpu = {}  # distributed optimizer or not -> the state; CPU offload only moves its optimizer
+
+    def state_of(distributed: bool, offload: bool):
+        if distributed not in on_gpu:
+            on_gpu[distributed] = train_state_bytes(tensors, layout.dp, expert_dp,
+                                                    run.param_bytes, distributed)
+        return offloaded(on_gpu[distributed]) if offload else on_gpu[distributed]
+
+    state = state_of(run.distributed_optimizer, run.optimizer_offload)
+    variants = {name: state_of(dist_opt, offload)
                 for name, dist_opt, offload in (("replicated", False, False),
                                                 ("distributed", True, False),
                                                 ("distributed_cpu_offload", True, True))}
@@ -131,19 +137,17 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
                                  "optimizer": s.optimizer, "optimizer_host": s.optimizer_offloaded}
                           for name, s in variants.items()}
     value = replace(arch, kind="value")
+    values = rank_tensors(value, layout, stage, te, padded) if run.critic or run.reward_model else []
     if run.critic:
-        values = rank_tensors(value, layout, stage, te, padded)
-        if run.critic_lora_rank:
-            values = with_lora(values, run.critic_lora_rank, run.critic_lora_targets, True)
-        critic = train_state_bytes(values,
-                                   layout.dp, expert_dp, run.param_bytes,
+        trained = with_lora(values, run.critic_lora_rank, run.critic_lora_targets, True) \
+            if run.critic_lora_rank else values
+        critic = train_state_bytes(trained, layout.dp, expert_dp, run.param_bytes,
                                    run.distributed_optimizer, run.optimizer_offload)
         terms["critic"] = critic.weights + critic.gradients + critic.optimizer
-    weights_only = lambda a: sum(t.numel for t in rank_tensors(a, layout, stage, te, padded))  # noqa: E731
     if run.reference:
-        terms["reference"] = weights_only(arch) * run.param_bytes
+        terms["reference"] = sum(t.numel for t in base) * run.param_bytes
     if run.reward_model:
-        terms["reward_model"] = weights_only(value) * run.param_bytes
+        terms["reward_model"] = sum(t.numel for t in values) * run.param_bytes
     params = RankParams.of(tensors).total
     return terms, params
 
