@@ -54,12 +54,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
       || fail "'$python -m venv' failed (is python3-venv installed?)"
   fi
   : > "$log"
-  # torch pinned and first, as tools/in_venv.sh: here the local CPU wheel, never a CUDA resolve.
-  "$venv/bin/python" -m pip install -q "torch==2.13.0" "numpy==2.4.6" >>"$log" 2>&1 \
-    || fail "pip install torch==2.13.0 numpy==2.4.6 failed: $(pip_error) (log: $log)"
+  # torch and numpy: the project's own (.venv, the same pins), reached through a .pth that puts
+  # its site-packages *after* this environment's, so every package installed below wins over
+  # the project's; installing torch again was most of this build (about a minute). Without a
+  # project environment, torch pinned and first, as tools/in_venv.sh: the CPU wheel.
+  site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  rm -f "$site/project-torch.pth"
+  if "$root/.venv/bin/python" -c "import torch, numpy; assert torch.__version__.split('+')[0] == '2.13.0' and numpy.__version__ == '2.4.6'" >>"$log" 2>&1; then
+    "$root/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+      > "$site/project-torch.pth"
+  else
+    "$venv/bin/python" -m pip install -q "torch==2.13.0" "numpy==2.4.6" >>"$log" 2>&1 \
+      || fail "pip install torch==2.13.0 numpy==2.4.6 failed: $(pip_error) (log: $log)"
+  fi
   "$venv/bin/python" -m pip install -q --no-deps "${extras[@]}" >>"$log" 2>&1 \
     || fail "pip install --no-deps verl==0.9.1 and what it imports failed: $(pip_error) (log: $log)"
-  "$venv/bin/python" -c "import verl.trainer.ppo.core_algos, verl.trainer.ppo.rollout_corr_helper" \
+  "$venv/bin/python" -c "import verl.trainer.ppo.core_algos, verl.trainer.ppo.rollout_corr_helper, transformers, tensordict
+assert transformers.__version__ == '5.9.0' and tensordict.__version__ == '0.10.0', 'verl pins lost'" \
     >>"$log" 2>&1 \
     || fail "verl 0.9.1 does not import: $(grep -E 'Error' "$log" | tail -n 1) (log: $log)"
   echo "$want" > "$stamp"
