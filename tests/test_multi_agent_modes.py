@@ -92,14 +92,19 @@ def test_two_agents_side_by_side_each_sample_dynamically(workspace, tmp_path):
 def test_an_answerer_with_a_critic_of_its_own_learns_in_critique_revise(workspace, tmp_path):
     """GAE in a two-player mode: each agent trains a critic of its own (in its own group, beside
     its reward model) on the tokens it wrote; the answerer's critic loss falls and the reward
-    its final answers earn rises."""
+    its final answers earn rises. Each reward model steps aside while its group generates
+    (``reward.offload``, riding this run: its weights must come back for the scores to rise)."""
     out = tmp_path / "gae"
-    done = ppo(overrides(workspace, out, *GAE_OVERRIDES(workspace), *GAE_RUN))
+    done = ppo(overrides(workspace, out, *GAE_OVERRIDES(workspace), *GAE_RUN,
+                         "reward.offload.params=true"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "judge" not in done.stdout  # each agent hosts its reward model beside its critic
     steps = [r for r in rows(out) if "agent/a/critic/vf_loss" in r]
     assert [r["step"] for r in steps] == list(range(1, GAE_STEPS + 1))
     assert all("agent/b/critic/vf_loss" in r for r in steps)
+    for name in ("a", "b"):  # the reward model alone is offloaded: its weights moved every step
+        assert all(r[f"agent/{name}/offload/bytes"] > 0 for r in steps), name
+        assert all(r[f"agent/{name}/offload/resident_bytes_generating"] == 0 for r in steps), name
     half = GAE_STEPS // 2
     first, last = steps[:half], steps[-half:]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731

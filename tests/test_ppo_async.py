@@ -17,23 +17,32 @@ def workspace(tmp_path_factory):
 
 
 def test_sppo_runs_at_tp2_with_packing_and_resumes_exactly(workspace, tmp_path):
-    """SPPO through the real command at TP=2 over packed micro-batches: a run SIGKILLed while it
-    saves a later step (its metrics row already logged, its checkpoint not committed) and
-    relaunched reproduces the uninterrupted run: every value of every step, exactly, no row
-    missing or doubled."""
+    """SPPO through the real command at TP=2 over packed micro-batches, the actor with LoRA
+    adapters and the distributed optimizer: a run SIGKILLed while it saves a later step (its
+    metrics row already logged, its checkpoint not committed) and relaunched (fresh workers
+    loading adapters, optimizer and scheduler) reproduces the uninterrupted run: every value of
+    every step, exactly, no row missing or doubled."""
     from tests.interrupt import kill_tree, launch, rows, saving, steady, wait_until
 
     sppo = ["algorithm.adv_estimator=sppo", "actor.policy_loss=sppo", "actor.sppo_eta=2.0",
             "actor.loss_agg_mode=seq-mean-token-mean", "rollout.n=4", "data.train_batch_size=8",
             "algorithm.use_kl_in_reward=false", "actor.parallel.tp=2", "trainer.n_gpus_per_node=2",
             "data.use_remove_padding=true", "trainer.max_steps=3", "trainer.save_every_steps=1",
-            "trainer.keep_last_n=3", "trainer.eval_every_steps=0", "trainer.val_before_train=false"]
+            "trainer.keep_last_n=3", "trainer.eval_every_steps=0", "trainer.val_before_train=false",
+            "actor.lora.rank=8", "actor.parallel.use_distributed_optimizer=true"]
     full = tmp_path / "full"
     code, stdout, stderr = finish(ppo(overrides(workspace, full, *sppo)))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     reference = [r for r in metrics(full) if "actor/pg_loss" in r]
     assert len(reference) == 3 and all(math.isfinite(r["actor/pg_loss"]) for r in reference)
     assert reference[0]["actor/pg_loss"] > 0  # the squared gap to eta * (win rate - 1/2)
+    # LoRA: adapters alone train (on every rank's linears), the engine gets merged weights (its
+    # log-probs are the trainer's after every sync), the checkpoint records the adapters' spec.
+    assert "[ppo actor] LoRA rank 8 on 16 linears of this stage" in stdout
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in reference)
+    assert reference[-1]["actor/grad_norm"] > 0
+    spec = json.loads((full / "checkpoints" / "actor" / "step_00000003" / "megatron_rlhf.json").read_text())
+    assert spec["lora"]["rank"] == 8, spec
 
     out, log = tmp_path / "killed", tmp_path / "killed.log"
     args = ["ppo", *overrides(workspace, out, *sppo)]
