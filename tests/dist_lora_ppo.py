@@ -68,7 +68,7 @@ def _engine_vs_trainer(worker: PPOWorker, results: dict, label: str) -> dict:
     batch = build_batch([tuple(p) for p in PROMPTS], gens[0], worker.pad_id)
     out = worker.compute_log_probs(batch, True, True)
     if out is not None and dist.get_rank() == 0:
-        _, (old, ref, _) = out
+        _, (old, ref, _, _) = out
         engine = engine_logprobs(gens[0], batch["loss_mask"])
         mask = batch["loss_mask"].bool()
         results[f"ppo/{label}/engine_vs_trainer"] = float((engine - old)[mask].abs().max())

@@ -10,7 +10,9 @@ Per micro-batch it
   its tokens sequence-major (``s * b_size + b``) and, under sequence parallelism, only its TP
   rank's slice of the sequence; each pipeline stage replays its own layers;
 - records the top-k the router itself would choose (for ``moe/routing_agreement``, and R2's
-  recorded routing), also while replaying: megatron computes no top-k of its own then.
+  recorded routing), also while replaying: megatron computes no top-k of its own then; and the
+  top-k megatron's router actually ran with (``moe/replayed_agreement``: under R3 the engine's,
+  whatever the router would have chosen).
 
 The router's probabilities are always the live scores gathered at the chosen experts, so the
 router keeps its gradient. Activation recompute re-runs a router inside backward; megatron
@@ -63,6 +65,7 @@ class RoutingReplay:
         self.replaying = False
         self.recording = False
         self.recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self.used: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.shapes: list[tuple[int, int]] = []  # (rows, positions) of each recorded forward
         self._hooks = [r.register_forward_pre_hook(self._select_action) for r in self.routers]
         for slot, router in enumerate(self.routers):
@@ -102,6 +105,7 @@ class RoutingReplay:
             router.router_replay.clear_indices()
         self.replaying, self.recording = replay, record
         self.recorded = [[] for _ in self.routers]
+        self.used = [[] for _ in self.routers]
         self.shapes = []
 
     def stop(self) -> None:
@@ -110,18 +114,19 @@ class RoutingReplay:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
 
-    def recorded_micro_batches(self, tp_group, pp_group) -> list[torch.Tensor]:
-        """What the routers chose on their own in each recorded forward, ``[rows, positions, L,
-        K]`` over every MoE layer and the whole sequence (gathered over TP and PP; -1 nowhere
-        once gathered). Collective over the TP and PP groups."""
+    def recorded_micro_batches(self, tp_group, pp_group, used: bool = False) -> list[torch.Tensor]:
+        """What the routers chose on their own in each recorded forward (``used``: the experts
+        the forward ran), ``[rows, positions, L, K]`` over every MoE layer and the whole sequence
+        (gathered over TP and PP; -1 nowhere once gathered). Collective over TP and PP."""
         import torch.distributed as dist
 
+        recorded = self.used if used else self.recorded
         out = []
         for index, (rows, positions) in enumerate(self.shapes):
             full = torch.full((rows, positions, self.num_layers, self.topk), UNKNOWN,
                               dtype=torch.long)
             for slot, layer in enumerate(self.layers):
-                own = self.recorded[slot][index].detach().cpu().long()  # [s_local * rows, K]
+                own = recorded[slot][index].detach().cpu().long()  # [s_local * rows, K]
                 s_local = own.shape[0] // rows
                 start = self.sp_rank * s_local
                 full[:, start:start + s_local, layer] = own.view(s_local, rows, -1).transpose(0, 1)
@@ -157,7 +162,10 @@ def _record_own_topk(replay, driver: RoutingReplay, slot: int) -> None:
                 replay.target_topk_idx = _known_or(replay.target_topk_idx, own)
             elif action == RouterReplayAction.REPLAY_BACKWARD:
                 replay.replay_backward_list[0] = _known_or(replay.replay_backward_list[0], own)
-        return original(scores, topk, num_groups, group_topk, default_compute_topk)
+        result = original(scores, topk, num_groups, group_topk, default_compute_topk)
+        if driver.recording and forward:
+            driver.used[slot].append(result[1].detach())
+        return result
 
     replay.get_replay_topk = get_replay_topk
 

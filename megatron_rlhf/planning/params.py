@@ -10,7 +10,7 @@ replicates them on every TP rank, the local spec splits them.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_rlhf.distributed.layout import ParallelLayout
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size

@@ -302,7 +302,7 @@ class PPORun(GenerationAhead, AgentSampling):
         if not (need_old or need_ref):
             return {}
         parts = stitch(self.actor.call(PPOWorker.compute_log_probs, batch, need_old, need_ref))
-        old, ref, own = (cat_rows(p) for p in zip(*parts))
+        old, ref, own, used = (cat_rows(p) for p in zip(*parts))
         batch["ref_logprobs"] = ref
         if old is None:
             return {}
@@ -312,7 +312,7 @@ class PPORun(GenerationAhead, AgentSampling):
         mask = batch["loss_mask"]
         return ({"rollout/logprob_diff_max": float(gap.max()),
                  "rollout/logprob_diff_mean": float(gap.sum() / mask.sum().clamp(min=1))}
-                | recorded_routing(batch, own, self.cfg.actor.router_replay)
+                | recorded_routing(batch, own, self.cfg.actor.router_replay, used)
                 | self.correct(batch, old, engine))
 
     def correct(self, batch: Experience, old: torch.Tensor, engine: torch.Tensor) -> dict[str, float]:

@@ -4,7 +4,9 @@ and the routers' own choices back on the batch's sample grid.
 - ``none``: nothing replayed; the old pass records the trainer's own routing, which the driver
   compares with the engine's (``moe/routing_agreement``);
 - ``R3``: the engine's routing (``Experience.routing``) is replayed in the old, reference and
-  update passes; the old pass still records what the routers would choose themselves;
+  update passes; the old pass still records what the routers would choose themselves, and the
+  experts it ran, which the driver compares with the engine's (``moe/replayed_agreement``: 1
+  when the replay took effect, whatever the routers would have chosen);
 - ``R2``: the old pass records; the driver puts its routing in ``Experience.routing``, which
   the update's epochs replay.
 """
@@ -37,10 +39,11 @@ def pass_mode(mode: str, batch: dict, which: str) -> tuple[bool, bool]:
     return has and mode == "R3", has or mode == "R2"
 
 
-def own_routing(replay: RoutingReplay, groups, micro: list[dict], width: int) -> torch.Tensor:
-    """What the routers chose themselves in the pass just run, ``[rows, width, L, K]``, the
-    micro-batches' rows in turn. Collective over TP and PP."""
-    per_micro = replay.recorded_micro_batches(groups.tp, groups.pp)
+def own_routing(replay: RoutingReplay, groups, micro: list[dict], width: int,
+                used: bool = False) -> torch.Tensor:
+    """What the routers chose themselves in the pass just run (``used``: the experts it ran),
+    ``[rows, width, L, K]``, the micro-batches' rows in turn. Collective over TP and PP."""
+    per_micro = replay.recorded_micro_batches(groups.tp, groups.pp, used)
     if not per_micro:
         return torch.empty(0, width, replay.num_layers, replay.topk, dtype=torch.int16)
     parts = []
@@ -50,14 +53,18 @@ def own_routing(replay: RoutingReplay, groups, micro: list[dict], width: int) ->
     return torch.cat(parts).to(torch.int16)
 
 
-def recorded_routing(batch: dict, own: torch.Tensor | None, mode: str) -> dict[str, float]:
+def recorded_routing(batch: dict, own: torch.Tensor | None, mode: str,
+                     used: torch.Tensor | None = None) -> dict[str, float]:
     """The old pass's own routing ``own [N, T, L, K]``: ``moe/routing_agreement`` with the
-    engine's (``batch["routing"]``), and under R2 the routing the update replays."""
+    engine's (``batch["routing"]``), and under R2 the routing the update replays; when it
+    replayed, the experts it ran (``used``): ``moe/replayed_agreement`` with the engine's."""
     if own is None:
         return {}
     metrics = {}
     if batch.get("routing") is not None:
         metrics["moe/routing_agreement"] = routing_agreement(own, batch["routing"])[0]
+        if used is not None:
+            metrics["moe/replayed_agreement"] = routing_agreement(used, batch["routing"])[0]
     if mode == "R2":
         batch["routing"] = own
     return metrics

@@ -268,7 +268,8 @@ class PPOWorker:
     def _forward(self, model, batch: dict, head, hidden_states: bool = False,
                  replay=None, which: str = "old") -> torch.Tensor | None:
         """``head``'s results ``[n_mine, ...]``; with a MoE ``replay`` driver, replaying and
-        recording as ``which`` pass does (the routers' own choices land in ``self.own_routing``)."""
+        recording as ``which`` pass does (the routers' own choices land in ``self.own_routing``,
+        the experts a replaying pass ran in ``self.used_routing``)."""
         mine = self._mine(batch)
         micro, order = self._micro(batch, mine)
         if replay is not None:
@@ -276,8 +277,12 @@ class PPOWorker:
         try:
             outputs = pipeline_forward(model, self.groups, micro, head, hidden_states, replay)
             if replay is not None and replay.recording:
-                self.own_routing = in_row_order(own_routing(
-                    replay, self.groups, micro, batch["input_ids"].shape[1]), mine, order)
+                width = batch["input_ids"].shape[1]
+                self.own_routing = in_row_order(own_routing(replay, self.groups, micro, width),
+                                                mine, order)
+                if replay.replaying:  # the experts it ran: the replayed ones, if replay works
+                    self.used_routing = in_row_order(own_routing(
+                        replay, self.groups, micro, width, used=True), mine, order)
         finally:
             if replay is not None:
                 replay.stop()
@@ -302,7 +307,7 @@ class PPOWorker:
             score = lambda out, b: loss_positions_logprobs(out, b, head, temperature)[0]  # noqa: E731
             return self._forward(model, batch, score, hidden_states=True, replay=replay, which=which)
 
-        self.own_routing = None
+        self.own_routing = self.used_routing = None
         base = self.ref is self.actor.module  # LoRA: the reference is the actor, adapters off
         with self.residency.phase(actor=("params",) if old or (ref and base) else (),
                                   ref=("params",) if ref else ()):
@@ -311,7 +316,7 @@ class PPOWorker:
             if ref:
                 with adapters_disabled(self.ref):  # no adapters (a separate reference): no change
                     reference = log_probs(self.ref, self.ref_replay, "ref")
-        return self._output((old, reference, self.own_routing))
+        return self._output((old, reference, self.own_routing, self.used_routing))
 
     def _output_head(self, model):
         """The chunked output head of ``model`` (``actor.logprob_chunk_tokens``); None when full
