@@ -202,10 +202,13 @@ def test_a_kill_during_an_asynchronous_save_leaves_the_previous_checkpoint_in_ch
 def test_the_checkpoint_writer_queue_dies_with_its_process():
     """megatron's checkpoint-writer results queue runs in a server process of its own
     (checkpoint/model_ckpt.py:start_writer_queue); a trainer SIGKILLed takes it along instead
-    of leaving it behind (megatron's own, started by spawn, outlived killed runs)."""
+    of leaving it behind (megatron's own, started by spawn, outlived killed runs), also when the
+    trainer handles SIGTERM itself, as ours do (the fork inherits the handlers: CI4 left the
+    servers of a killed EP=2 run's ranks behind)."""
     import psutil
 
-    code = ("from megatron_rlhf.checkpoint.model_ckpt import start_writer_queue\n"
+    code = ("import signal\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+            "from megatron_rlhf.checkpoint.model_ckpt import start_writer_queue\n"
             "start_writer_queue()\n"
             "from megatron.core.dist_checkpointing.strategies import filesystem_async as f\n"
             "f._results_queue.put(7)\nassert f._results_queue.get() == 7\n"

@@ -86,6 +86,7 @@ def start_writer_queue() -> None:
     writer processes from the same process anyway, so the manager's server is forked too.
     Call before a save; later calls do nothing.
     """
+    import functools
     import multiprocessing
     import threading
 
@@ -98,20 +99,27 @@ def start_writer_queue() -> None:
         # The death signal follows the thread that forks: only the main thread lives as long as
         # the process (saves run there today; from another thread the server just stays).
         main = threading.current_thread() is threading.main_thread()
-        manager.start(_die_with_parent if main else None)
+        manager.start(functools.partial(_die_with_parent, os.getpid()) if main else None)
         filesystem_async._results_queue = manager.Queue()
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """In the queue's server process: end when the process that started it ends, even by
-    SIGKILL (megatron's spawn-started one outlived a killed trainer)."""
+    SIGKILL (megatron's spawn-started one outlived a killed trainer). The fork inherits the
+    trainer's signal handlers (a SIGTERM that asks for a save and a stop, caught and survived
+    by a server that has no loop to stop): those go back to the defaults, and the death signal
+    is SIGKILL, which nothing catches."""
     import ctypes
     import signal
 
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the server stays until its parent's exit
-        pass
+        return
+    if os.getppid() != parent:  # the trainer died before the request was made
+        os._exit(0)
 
 
 def save_model_checkpoint(model, out_dir: str | os.PathLike, arch: ModelArch, padded_vocab: int,
