@@ -40,7 +40,7 @@ SIZES = {
     False: {"train": 1000, "val": 200, "sft_steps": 8, "rm_steps": 10, "ppo_steps": 60,
             "batch": 16, "eval_every": 20, "save_every": 2},
     True: {"train": 24, "val": 8, "sft_steps": 2, "rm_steps": 2, "ppo_steps": 2,
-           "batch": 4, "eval_every": 2, "save_every": 1},
+           "batch": 4, "eval_every": 2, "save_every": 2},
 }
 AB_MAX_NEW_TOKENS = 16
 

@@ -61,3 +61,18 @@ def test_smollm2_megatron_logits_match_transformers(smollm2, tmp_path):
     before, after = load_file(f"{smollm2}/model.safetensors"), load_file(back / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_second_export_is_a_copy_of_the_cached_one(smollm2, tmp_path):
+    """tools/export_smollm2.py de-quantizes the GGUF once per machine (about 30 s) and copies
+    that export afterwards: the same files, byte for byte, as the fixture's."""
+    from pathlib import Path
+
+    from tools.export_smollm2 import cache_dir, export_smollm2
+
+    assert (cache_dir() / "model.safetensors").is_file()
+    again = Path(export_smollm2(str(tmp_path / "again")))
+    first = Path(smollm2)
+    names = sorted(p.name for p in first.iterdir())
+    assert names == sorted(p.name for p in again.iterdir()) and "model.safetensors" in names
+    assert all((first / n).read_bytes() == (again / n).read_bytes() for n in names)

