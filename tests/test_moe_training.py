@@ -166,6 +166,9 @@ def test_ppo_trains_moe_policies_at_ep2(moe_workspaces, tmp_path, family, extra)
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         assert 0.9 < row["actor/moe/load_balancing_loss"] < 2.0
+        # Every routing the update was asked to replay (R2: the old pass's, R3: the engine's) is
+        # what its forwards ran (a replay not reaching the routers would run their own choice).
+        assert row["actor/moe/replay_ran"] == 1.0
         if "rollout.dtype=bfloat16" not in extra:
             # After each in-loop sync the engine scores its samples as the EP=2 actor does, and
             # (float32 both) routes every token as the trainer would: routing replay (R2) runs
@@ -182,3 +185,6 @@ def test_ppo_trains_moe_policies_at_ep2(moe_workspaces, tmp_path, family, extra)
         # not assumed: the two agreements would be equal without replay).
         agreement = [r["moe/routing_agreement"] for r in rows]
         assert 0.5 < min(agreement) < 1.0, agreement
+    # In the update, the routers' own choice differed from the replayed one on some tokens (the
+    # weights move between the recording pass and later mini-batches; the bf16 engine's differ).
+    assert min(r["actor/moe/replay_own"] for r in rows) < 1.0

@@ -64,6 +64,9 @@ class RoutingReplay:
         self.sp_rank, self.sp_size = (tp_rank, tp_size) if sequence_parallel else (0, 1)
         self.replaying = False
         self.recording = False
+        # While replaying, per (token, router) with a known target: targets, forwards that ran
+        # exactly the target experts, routers whose own choice was the target (take_counts()).
+        self.counts = [0, 0, 0]
         self.recorded: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.used: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.shapes: list[tuple[int, int]] = []  # (rows, positions) of each recorded forward
@@ -114,6 +117,21 @@ class RoutingReplay:
             router.router_replay.clear_indices()
             router.router_replay.clear_router_replay_action()
 
+    def take_counts(self) -> tuple[int, int, int]:
+        """(targets, run as targeted, chosen as targeted) since the last call, this rank's
+        routers, forward passes (recompute inside backward not counted)."""
+        counts, self.counts = tuple(self.counts), [0, 0, 0]
+        return counts
+
+    def count(self, asked: torch.Tensor, own: torch.Tensor, used: torch.Tensor) -> None:
+        asked = asked.to(own.device)
+        known = (asked >= 0).all(-1)
+        target = asked.sort(-1).values
+        for index, ids in ((1, used), (2, own)):
+            same = (ids.to(own.device).sort(-1).values == target).all(-1) & known
+            self.counts[index] += int(same.sum())
+        self.counts[0] += int(known.sum())
+
     def recorded_micro_batches(self, tp_group, pp_group, used: bool = False) -> list[torch.Tensor]:
         """What the routers chose on their own in each recorded forward (``used``: the experts
         the forward ran), ``[rows, positions, L, K]`` over every MoE layer and the whole sequence
@@ -152,8 +170,12 @@ def _record_own_topk(replay, driver: RoutingReplay, slot: int) -> None:
     def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         forward = torch._C._current_graph_task_id() == -1
         action = replay.router_replay_action
-        if (driver.recording and forward) or action in (RouterReplayAction.REPLAY_FORWARD,
-                                                         RouterReplayAction.REPLAY_BACKWARD):
+        # A forward asked to replay: what it runs is checked against what was asked, whatever
+        # megatron's replay action says (so a replay that never reaches the router shows).
+        watched = driver.replaying and forward and replay.target_topk_idx is not None
+        asked = replay.target_topk_idx if watched else None
+        if (driver.recording and forward) or watched or action in (
+                RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
             with torch.no_grad():
                 own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)[1]
             if driver.recording and forward:
@@ -165,6 +187,8 @@ def _record_own_topk(replay, driver: RoutingReplay, slot: int) -> None:
         result = original(scores, topk, num_groups, group_topk, default_compute_topk)
         if driver.recording and forward:
             driver.used[slot].append(result[1].detach())
+        if asked is not None:
+            driver.count(asked, own, result[1])
         return result
 
     replay.get_replay_topk = get_replay_topk

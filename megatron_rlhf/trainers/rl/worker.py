@@ -384,16 +384,36 @@ class PPOWorker:
                                          groups=self.groups, cfg=cfg, kl_loss_coef=kl_loss_coef,
                                          temperature=scoring_temperature(self.config.rollout.temperature),
                                          horizon=self.horizon, head=head)
+        if self.replay is not None:
+            self.replay.take_counts()  # the old and reference passes' are not the update's
         with self.residency.phase(actor=PARTS):
             sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
                                 lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
                                 hidden_states=bool(cfg.logprob_chunk_tokens), replay=self.replay)
-        out = _average(sums, "actor")
+        out = _average(sums, "actor") | self._replayed_in_update()
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
         if digest is not None:
             out["population/table_sha256"] = digest
         return out
+
+    def _replayed_in_update(self) -> dict[str, float]:
+        """Of the (token, MoE layer) routings the update was asked to replay (R2, R3), over every
+        rank: the share its forwards ran exactly (``actor/moe/replay_ran``: 1 when the replay
+        reaches the routers) and the share the routers would have chosen themselves
+        (``actor/moe/replay_own``: below 1 when the replay changed something)."""
+        if self.replay is None:
+            return {}
+        import torch.distributed as dist
+
+        from megatron_rlhf.distributed.platform import device
+
+        counts = torch.tensor(self.replay.take_counts(), dtype=torch.float64, device=device())
+        dist.all_reduce(counts)
+        asked, ran, own = counts.tolist()
+        if not asked:
+            return {}
+        return {"actor/moe/replay_ran": ran / asked, "actor/moe/replay_own": own / asked}
 
     def weights_digest(self) -> str:
         """sha256 of this rank's actor parameters (its shards), in order: equal digests are
