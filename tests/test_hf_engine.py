@@ -89,7 +89,7 @@ def test_rollout_correction_on_a_perturbed_engine(engine_and_reference, tiny_mod
     cfg.algorithm.rollout_correction.mode = "tis+mask"
     cfg.algorithm.rollout_correction.tis_cap = 1.5
     cfg.algorithm.rollout_correction.mask_low, cfg.algorithm.rollout_correction.mask_high = 0.9, 1.1
-    actor = SimpleNamespace(call=lambda *args: [(0, (old, None, None))])
+    actor = SimpleNamespace(call=lambda *args: [(0, (old, None, None, None))])
     run = SimpleNamespace(cfg=cfg, actor=actor)
     run.correct = lambda *args: PPORun.correct(run, *args)
     metrics = PPORun.log_probs(run, batch, gens)

@@ -95,7 +95,7 @@ def test_offline_only_step_trains_with_hand_computed_importance_weights(tokenize
     first = int(mask[0].nonzero()[0])
     old = torch.zeros_like(mask)
     old[0, first:first + len(tokens)] = torch.tensor([-0.5, -2.5, -0.5] + [-0.1] * (len(tokens) - 3))
-    run.actor = SimpleNamespace(call=lambda *args: [(0, (old, None, None))])
+    run.actor = SimpleNamespace(call=lambda *args: [(0, (old, None, None, None))])
     PPORun.log_probs(run, batch, gens)
     weights = batch["is_weights"][0, first:first + len(tokens)].tolist()
     # exp(-0.5 + 1) = 1.65; exp(-2.5 + 2) = 0.61; exp(0) = 1 elsewhere; under the cap of 2.
