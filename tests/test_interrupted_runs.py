@@ -204,20 +204,33 @@ def test_the_checkpoint_writer_queue_dies_with_its_process():
     (checkpoint/model_ckpt.py:start_writer_queue); a trainer SIGKILLed takes it along instead
     of leaving it behind (megatron's own, started by spawn, outlived killed runs), also when the
     trainer handles SIGTERM itself, as ours do (the fork inherits the handlers: CI4 left the
-    servers of a killed EP=2 run's ranks behind)."""
+    servers of a killed EP=2 run's ranks behind). Stop signals sent to every process (Slurm's
+    to a step, Ctrl-C's to a process group) leave the server serving: the trainer's closing
+    save needs it (CI's two-node USR1 run lost a server forked as the signal went round)."""
     import psutil
 
-    code = ("import signal\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+    code = ("import signal, sys\nsignal.signal(signal.SIGTERM, lambda *_: None)\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: None)\n"
             "from megatron_rlhf.checkpoint.model_ckpt import start_writer_queue\n"
             "start_writer_queue()\n"
             "from megatron.core.dist_checkpointing.strategies import filesystem_async as f\n"
             "f._results_queue.put(7)\nassert f._results_queue.get() == 7\n"
-            "import os, time\nprint('ready', flush=True)\ntime.sleep(120)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            "print('ready', flush=True)\nsys.stdin.readline()\n"
+            "f._results_queue.put(8)\nprint('served', f._results_queue.get(), flush=True)\n"
+            "import time\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         servers = psutil.Process(proc.pid).children()
         assert len(servers) == 1
+        for sig in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
+            servers[0].send_signal(sig)
+        time.sleep(0.5)
+        assert servers[0].is_running() and servers[0].status() != psutil.STATUS_ZOMBIE
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "served 8"
     finally:
         proc.kill()
         proc.wait()

@@ -105,15 +105,16 @@ def start_writer_queue() -> None:
 
 def _die_with_parent(parent: int) -> None:
     """In the queue's server process: end when the process that started it ends, even by
-    SIGKILL (megatron's spawn-started one outlived a killed trainer). The fork inherits the
-    trainer's signal handlers (a SIGTERM that asks for a save and a stop, caught and survived
-    by a server that has no loop to stop): those go back to the defaults, and the death signal
-    is SIGKILL, which nothing catches."""
+    SIGKILL (megatron's spawn-started one outlived a killed trainer), and never before. Stop
+    signals are for the trainer: Slurm signals every process of a step and Ctrl-C the whole
+    process group, so a server that kept the trainer's handlers (caught, survived with no loop
+    to stop) or took the defaults (died in the trainer's closing save: CI's two-node USR1 test)
+    is wrong either way; it ignores them and the death signal, SIGKILL, ends it with its parent."""
     import ctypes
     import signal
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the server stays until its parent's exit
