@@ -19,8 +19,9 @@ def workspace(tmp_path_factory):
 
 def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_update(workspace, tmp_path):
     """One epoch over one mini-batch: old log-probs come from the update's own forward and no
-    reference model is loaded. Forcing both passes back (a zero-weight in-reward KL needs them)
-    must give the same update."""
+    reference model is loaded. Forcing both passes back (a zero-weight in-reward KL needs them),
+    with one copy of the prompt per sample (``data.share_prompts=false``) where the first run
+    shares each group's prompt, must give the same update."""
     grpo = ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.ppo_epochs=1",
             "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_rank=16",
             "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0", "trainer.max_steps=2",
@@ -29,12 +30,16 @@ def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_upda
     for label, kl in (("on_policy", "false"), ("recomputed", "true")):
         out = tmp_path / label
         code, stdout, stderr = finish(ppo(overrides(workspace, out, *grpo,
-                                                    f"algorithm.use_kl_in_reward={kl}")))
+                                                    f"algorithm.use_kl_in_reward={kl}",
+                                                    f"data.share_prompts={kl == 'false'}")))
         assert code == 0, stdout[-3000:] + stderr[-3000:]
         runs[label] = [r for r in metrics(out) if "actor/pg_loss" in r]
     fast, slow = runs["on_policy"], runs["recomputed"]
     assert all("actor/kl" not in r and "rollout/logprob_diff_max" not in r for r in fast)
     assert all("actor/kl" in r and r["rollout/logprob_diff_max"] < 1e-4 for r in slow)
+    # Shared: each group's ~20-token prompt once for 4 replies of <= 8 tokens.
+    assert all(r["actor/tokens_computed"] < 0.6 * r["actor/tokens_sample"] for r in fast)
+    assert all(r["actor/tokens_computed"] == r["actor/tokens_sample"] for r in slow)
     for a, b in zip(fast, slow):
         assert a["actor/ppo_kl"] == 0.0 and a["actor/clipfrac"] == 0.0  # ratio exactly 1
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reward/score_mean"):

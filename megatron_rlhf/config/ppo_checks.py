@@ -203,6 +203,9 @@ def _check_actor_passes(cfg: PPOConfig) -> None:
         if not d.use_remove_padding:
             raise UserError("actor.ppo_micro_batch_tokens_per_rank packs samples: it needs "
                             "data.use_remove_padding=true")
+    if d.share_prompts and not d.use_remove_padding:
+        raise UserError("data.share_prompts=true lays a group's replies after one copy of "
+                        "their prompt in packed rows: it needs data.use_remove_padding=true")
     if a.logprob_chunk_tokens < 0:
         raise UserError(f"actor.logprob_chunk_tokens must be >= 0 (0: full logits), got "
                         f"{a.logprob_chunk_tokens}")

@@ -37,6 +37,13 @@ class PPODataConfig:
     use_remove_padding: bool = True
     """Pack each micro-batch's samples into rows of ``max_prompt_length + max_response_length``
     tokens (block-diagonal attention) instead of padding every sample to the longest."""
+    share_prompts: Optional[bool] = None
+    """In packed micro-batches the samples of one prompt (a group of ``rollout.n``) share it:
+    the prompt once, then each reply, attending to the prompt and to itself, at the positions
+    it has after the prompt; its forward and backward are computed once (exactly: the
+    gradients that reach it add up as over copies). Unset: on wherever rows are packed
+    (``use_remove_padding``, megatron's own attention); ``true`` where it cannot apply is an
+    error; ``false``: a copy of the prompt per sample."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by ``trainer.seed`` and the epoch)."""
     offline_files: list[str] = field(default_factory=list)

@@ -107,38 +107,137 @@ def pad_to_common_shape(batches: list[dict], pad_id: int = 0) -> list[dict]:
     return [pad_batch(b, rows, length, pad_id) for b in batches]
 
 
-def pack_token_grid(batch: dict, capacity: int, pad_id: int = 0) -> dict:
-    """Pack a right-padded micro-batch (``input_ids``, ``targets`` and per-token ``[n, T]``
-    tensors, ``lengths [n, 1]``) into rows of at most ``capacity`` tokens.
+@dataclass
+class Unit:
+    """Samples laid out together: the first ``prefix`` tokens of ``members[0]`` (the same in
+    every member), then each member's tokens from ``prefix`` on. ``prefix`` 0: one sample."""
 
-    The model sees packed ``input_ids``/``targets [R, L]`` and the block-diagonal mask; every
-    other per-token tensor stays on the sample grid under ``grid``, with ``unpack_row`` and
-    ``unpack_col [n, T]`` giving where token ``t`` of sample ``i`` sits in the packed rows, so
-    per-token outputs map back with :func:`to_grid`. ``grid`` is a nested dict so that
-    :func:`pad_batch` (pipeline padding) leaves it alone.
+    members: list[int]
+    prefix: int = 0
+
+    def tokens(self, lengths: list[int]) -> int:
+        return self.prefix + sum(lengths[i] - self.prefix for i in self.members)
+
+
+def prompt_units(tokens: list[list[int]], groups: list[int]) -> tuple[list[Unit], int]:
+    """Samples of one group (one prompt) that start with the same tokens share them: their
+    longest common prefix but its last token, which each member keeps (the logits there predict
+    each member's own next token). Exact whatever the tokens are: a prefix shorter than the
+    prompt (a template that rendered it differently) shares less, a longer one (replies that
+    start alike) more. Returns the units, in the order of their first member, and how many
+    groups of two or more samples shared nothing."""
+    members: dict[int, list[int]] = {}
+    for index, group in enumerate(groups):
+        members.setdefault(group, []).append(index)
+    units, unshared = [], 0
+    for indices in members.values():
+        common = min(len(tokens[i]) for i in indices)
+        first = tokens[indices[0]]
+        for i in indices[1:]:
+            other = tokens[i]
+            common = next((t for t in range(common) if other[t] != first[t]), common)
+        if len(indices) > 1 and common > 1:
+            units.append(Unit(indices, common - 1))
+        else:
+            unshared += len(indices) > 1
+            units += [Unit([i]) for i in indices]
+    units.sort(key=lambda unit: unit.members[0])
+    return units, unshared
+
+
+def _place(units: list[Unit], lengths: list[int], capacity: int, width_grid: int):
+    """Rows for ``units`` (first fit; a unit longer than ``capacity`` gets a row alone). Per
+    packed position: the flat sample-grid index it holds (``owner``, -1: padding), its unit and
+    segment (0: a shared prefix, j: the unit's j-th member) and its position in its sample; and
+    per sample token, where it sits (``unpack_row``, ``unpack_col``)."""
+    sizes = [unit.tokens(lengths) for unit in units]
+    rows = _assign_rows(sizes, max([capacity, *sizes]))
+    width = max(sum(sizes[u] for u in row) for row in rows)
+    owner = torch.full((len(rows), width), -1, dtype=torch.long)
+    unit_of = torch.full((len(rows), width), -1, dtype=torch.long)
+    segment, position = torch.zeros_like(owner), torch.zeros_like(owner)
+    unpack_row = torch.zeros(len(lengths), width_grid, dtype=torch.long)
+    unpack_col = torch.zeros_like(unpack_row)
+    for row, placed in enumerate(rows):
+        offset = 0
+        for u in placed:
+            unit = units[u]
+            if unit.prefix:
+                span = slice(offset, offset + unit.prefix)
+                owner[row, span] = unit.members[0] * width_grid + torch.arange(unit.prefix)
+                unit_of[row, span], position[row, span] = u, torch.arange(unit.prefix)
+                for i in unit.members:
+                    unpack_row[i, :unit.prefix] = row
+                    unpack_col[i, :unit.prefix] = torch.arange(offset, offset + unit.prefix)
+                offset += unit.prefix
+            for j, i in enumerate(unit.members, start=1):
+                n = lengths[i] - unit.prefix
+                span, own = slice(offset, offset + n), torch.arange(unit.prefix, lengths[i])
+                owner[row, span] = i * width_grid + own
+                unit_of[row, span], segment[row, span], position[row, span] = u, j, own
+                unpack_row[i, own], unpack_col[i, own] = row, torch.arange(offset, offset + n)
+                offset += n
+    return owner, unit_of, segment, position, unpack_row, unpack_col
+
+
+def _unit_mask(unit_of: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """``[R, 1, L, L]`` True = may not attend: within a unit, causally, a shared prefix is seen
+    by every member and a member by itself only; padding sees itself only."""
+    width = unit_of.shape[1]
+    valid = unit_of >= 0
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    seen = (segment[:, None, :] == 0) | (segment[:, :, None] == segment[:, None, :])
+    allowed = (unit_of[:, :, None] == unit_of[:, None, :]) & causal & valid[:, None, :] & seen
+    # Padding positions attend to themselves only: no row of the mask is empty, so fused
+    # attention kernels never produce NaN there (their outputs are never read).
+    allowed |= torch.eye(width, dtype=torch.bool) & ~valid[:, :, None]
+    return (~allowed).unsqueeze(1)
+
+
+def pack_token_grid(batch: dict, capacity: int, pad_id: int = 0,
+                    share_prompts: bool = False) -> dict:
+    """Pack a right-padded micro-batch (``input_ids``, ``targets`` and per-token ``[n, T]``
+    tensors, ``lengths [n, 1]``, with ``share_prompts`` ``group [n]``) into rows of at most
+    ``capacity`` tokens.
+
+    The model sees packed ``input_ids``/``targets [R, L]`` and the mask; every other per-token
+    tensor stays on the sample grid under ``grid``, with ``unpack_row`` and ``unpack_col [n, T]``
+    giving where token ``t`` of sample ``i`` sits in the packed rows, so per-token outputs map
+    back with :func:`to_grid` (a shared prefix's outputs to every member: their gradients add
+    up there, as over copies). ``grid`` is a nested dict so that :func:`pad_batch` (pipeline
+    padding) leaves it alone. With ``share_prompts`` the samples of a group share their prompt
+    (:func:`prompt_units`) and ``position_ids [R, L]`` give each token its position in its own
+    sample (RoPE must see a reply continue from its prompt's end). ``packing`` counts the
+    tokens computed, the samples' tokens and the groups that could share nothing.
     """
     lengths = batch["lengths"].reshape(-1).tolist()
     tokens = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
-    packed = pack_sequences(tokens, capacity, pad_id)
-    count, width = batch["input_ids"].shape
-    positions = torch.arange(width)
-    valid = positions[None, :] < torch.tensor(lengths)[:, None]
-    start = packed.last_index[:, 1] - torch.tensor(lengths) + 1
-    unpack_col = torch.where(valid, start[:, None] + positions[None, :], 0)
-    unpack_row = packed.last_index[:, :1].expand(count, width).clone()
-    targets = torch.full_like(packed.input_ids, pad_id)
-    targets[unpack_row[valid], unpack_col[valid]] = batch["targets"][valid]
+    units, unshared = [Unit([i]) for i in range(len(lengths))], 0
+    if share_prompts:
+        units, unshared = prompt_units(tokens, batch["group"].tolist())
+    owner, unit_of, segment, position, unpack_row, unpack_col = _place(
+        units, lengths, capacity, batch["input_ids"].shape[1])
+    valid = owner >= 0
+    source = owner.clamp(min=0)
+
+    def packed(grid: torch.Tensor, fill) -> torch.Tensor:
+        out = grid.flatten(0, 1)[source]
+        return out.masked_fill(~valid.view(*valid.shape, *[1] * (out.dim() - 2)), fill)
+
     grid = {k: v for k, v in batch.items()
             if torch.is_tensor(v) and v.dim() == 2 and k not in ("input_ids", "targets")}
-    out = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
-           "targets": targets, "grid": {**grid, "unpack_row": unpack_row, "unpack_col": unpack_col},
+    out = {"input_ids": packed(batch["input_ids"], pad_id),
+           "attention_mask": _unit_mask(unit_of, segment),
+           "targets": packed(batch["targets"], pad_id),
+           "grid": {**grid, "unpack_row": unpack_row, "unpack_col": unpack_col},
            **{k: v for k, v in batch.items() if not torch.is_tensor(v)}}
-    if "routing" in batch:  # MoE routing to replay, [n, T, L, K]: it follows the tokens
-        routing = batch["routing"]
-        packed_routing = torch.full((*packed.input_ids.shape, *routing.shape[2:]), -1,
-                                    dtype=routing.dtype)
-        packed_routing[unpack_row[valid], unpack_col[valid]] = routing[valid]
-        out["routing"] = packed_routing
+    out["packing"] = {"computed": int(valid.sum()), "sample": sum(lengths),
+                      "unshared_groups": unshared}
+    if share_prompts:
+        out["position_ids"] = position
+    if "routing" in batch:  # MoE routing to replay, [n, T, L, K]: it follows the tokens (a
+        # shared prefix's, its first member's: the group's prompt routed once)
+        out["routing"] = packed(batch["routing"], -1)
     return out
 
 

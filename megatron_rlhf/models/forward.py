@@ -47,13 +47,51 @@ def _pad_sequence(tokens: torch.Tensor, mask: torch.Tensor | None, extra: int):
     return tokens, mask
 
 
-def model_forward(model, batch: dict, hidden_states: bool = False, replay=None) -> torch.Tensor:
-    """Run one stage of ``model`` on ``batch`` (``input_ids [b, t]``, optional ``attention_mask``);
-    with ``hidden_states`` the last stage returns its final hidden states ``[b, t, h]``, not
-    logits (see :func:`megatron_rlhf.models.output_head.hidden_states_out`).
+def _rotary_modules(model) -> list:
+    """``model``'s RoPE modules (megatron's ``RotaryEmbedding`` and its YaRN subclass: one in a
+    GPT model's pre-processing, one in each multi-latent attention layer), each hooked once
+    (whichever wrapper found it first) to turn its frequencies for positions ``0..S-1`` into
+    those of the positions set on it (:func:`_per_token_rope`)."""
+    found = model.__dict__.get("_rlhf_rotary")
+    if found is None:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    Positions are 0..t-1 for every row; for packed rows that is fine because RoPE attention only
-    sees relative positions within a sequence. Under sequence parallelism the rows are padded
+        found = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        for module in found:
+            if "_rlhf_positions" not in module.__dict__:
+                module._rlhf_positions = None
+                module.register_forward_hook(_per_token_rope)
+        model.__dict__["_rlhf_rotary"] = found
+    return found
+
+
+def _per_token_rope(module, args, output):
+    """Frequencies ``[S, 1, 1, d]`` (one row a position, every batch row alike) -> ``[s, b, 1, d]``
+    at ``module._rlhf_positions [b, s]``: a shared prompt's replies each continue from the
+    prompt's end. Megatron's unfused RoPE broadcasts either shape; YaRN's (freqs, mscale)
+    keeps its mscale."""
+    positions = module._rlhf_positions
+    if positions is None:
+        return None
+    freqs, *rest = output if isinstance(output, tuple) else (output,)
+    if int(positions.max()) >= freqs.shape[0]:
+        raise ValueError(f"position {int(positions.max())} beyond the {freqs.shape[0]} RoPE "
+                         "positions computed for this sequence")
+    per_token = freqs[:, 0][positions.t().to(freqs.device)]
+    return (per_token, *rest) if isinstance(output, tuple) else per_token
+
+
+def model_forward(model, batch: dict, hidden_states: bool = False, replay=None) -> torch.Tensor:
+    """Run one stage of ``model`` on ``batch`` (``input_ids [b, t]``, optional ``attention_mask``
+    and ``position_ids``); with ``hidden_states`` the last stage returns its final hidden states
+    ``[b, t, h]``, not logits (see :func:`megatron_rlhf.models.output_head.hidden_states_out`).
+
+    Without ``position_ids`` positions are 0..t-1 for every row; for packed rows that is fine
+    because RoPE attention only sees relative positions within a sequence. ``position_ids``
+    (shared prompts: a reply continues from its prompt's end, not from the previous reply's)
+    reach RoPE through :func:`_rotary_modules`; they stay set until the stage's next forward,
+    so that a recomputed layer (activation recompute, in the backward that follows) sees the
+    same ones. Under sequence parallelism the rows are padded
     to a multiple of TP and the last stage's output is cut back to ``t``. ``replay``: the
     stage's :class:`~megatron_rlhf.models.routing_replay.RoutingReplay` (MoE routing replay or
     recording), told the micro-batch and the shape the model runs at.
@@ -66,6 +104,11 @@ def model_forward(model, batch: dict, hidden_states: bool = False, replay=None) 
     if extra:
         tokens, mask = _pad_sequence(tokens, mask, extra)
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    per_token = batch.get("position_ids")
+    if per_token is not None:
+        per_token = torch.nn.functional.pad(per_token, (0, extra)).to(tokens.device)
+    for module in _rotary_modules(model):
+        module._rlhf_positions = per_token
     if replay is not None:
         replay.before_forward(batch, *tokens.shape)
     if hidden_states:

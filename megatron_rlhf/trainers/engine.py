@@ -47,6 +47,29 @@ def packing_supported(requested: bool, tag: str) -> bool:
     return requested
 
 
+def prompt_sharing(requested: bool | None, packing: bool) -> bool:
+    """``data.share_prompts`` resolved: unset means wherever rows are packed; ``true`` without
+    packed rows (Transformer Engine's kernels, which ignore the layout's mask) is an error,
+    never a silent fallback to copies."""
+    if requested is None:
+        return packing
+    if requested and not packing:
+        raise UserError("data.share_prompts=true needs packed rows with megatron's own attention "
+                        "(Transformer Engine's kernels ignore the shared-prompt mask): set "
+                        "data.share_prompts=false or leave it unset")
+    return requested
+
+
+def check_prompt_sharing(share: bool, arch, parallel, tag: str) -> None:
+    """Multi-latent attention computes RoPE inside each layer: under full recompute with a
+    pipeline, the backward of one micro-batch recomputes it while the next one's positions are
+    set (1F1B), so shared prompts are refused there in one line."""
+    if share and arch.mla is not None and parallel.recompute_granularity == "full" and parallel.pp > 1:
+        raise UserError(f"{tag}: data.share_prompts with multi-latent attention under full "
+                        "recompute at pipeline_model_parallel_size > 1 is not supported: set "
+                        "data.share_prompts=false, or recompute_granularity=selective")
+
+
 @dataclass
 class Trainable:
     """A model wrapped for training with its optimizer and LR scheduler."""

@@ -23,13 +23,14 @@ from megatron_rlhf.config.ppo_checks import (critic_epochs, critic_parallel, sco
                                            uses_critic,
                                            uses_reference)
 from megatron_rlhf.config.ppo_schema import PPOConfig
-from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, to_grid
+from megatron_rlhf.data.packing import grid_tensor, pack_token_grid, prompt_units, to_grid
 from megatron_rlhf.distributed.layout import ParallelGroups, ParallelLayout, build_parallel_groups
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.models.lora import adapters_disabled
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
-from megatron_rlhf.trainers.engine import (add_adapters, make_trainable, packing_supported,
-                                          reduce_metrics, set_lr_scale, train_step, training_dtype)
+from megatron_rlhf.trainers.engine import (add_adapters, check_prompt_sharing, make_trainable,
+                                          packing_supported, prompt_sharing, reduce_metrics, set_lr_scale,
+                                          train_step, training_dtype)
 from megatron_rlhf.trainers.offload import PARTS
 from megatron_rlhf.trainers.rl.experience import Experience
 from megatron_rlhf.trainers.rl.policy import load_policy, reference_policy
@@ -58,9 +59,10 @@ class _SendOnly:
 
 
 def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = None,
-                  pack_capacity: int = 0) -> list[dict]:
+                  pack_capacity: int = 0, share_prompts: bool = False) -> list[dict]:
     """Micro-batches of ``size`` rows of ``batch``, each cut to its longest sequence, or packed
-    into rows of ``pack_capacity`` tokens when that is set."""
+    into rows of ``pack_capacity`` tokens when that is set (``share_prompts``: the samples of a
+    group share their prompt, :func:`~megatron_rlhf.data.packing.prompt_units`)."""
     out = []
     for start in range(0, len(rows), size):
         index = torch.tensor(rows[start:start + size])
@@ -68,10 +70,23 @@ def micro_batches(batch: dict, rows: list[int], size: int, extra: dict | None = 
         micro = {k: v[index, :length] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
         if "routing" in batch:  # MoE routing to replay: [N, T, L, K]
             micro["routing"] = batch["routing"][index, :length]
+        if share_prompts:
+            micro["group"] = batch["group"][index]
         micro |= extra or {}
         # A multi-turn sample may outgrow one prompt + one response: it then gets a row alone.
-        out.append(pack_token_grid(micro, max(pack_capacity, length)) if pack_capacity else micro)
+        out.append(pack_token_grid(micro, max(pack_capacity, length), share_prompts=share_prompts)
+                   if pack_capacity else micro)
     return out
+
+
+def token_counts(micro: dict) -> tuple[int, int, int]:
+    """(tokens the model runs, the samples' own tokens, groups that shared nothing) of one
+    micro-batch: packed rows count their real tokens (a shared prompt once), padded ones every
+    position."""
+    if "packing" in micro:
+        p = micro["packing"]
+        return p["computed"], p["sample"], p["unshared_groups"]
+    return micro["input_ids"].numel(), int(micro["lengths"].sum()), 0
 
 
 def in_row_order(result: torch.Tensor, mine: list[int], order: list[int]) -> torch.Tensor:
@@ -87,18 +102,51 @@ def token_groups(lengths: torch.Tensor, rows: list[int], budget: int) -> list[li
     """``rows`` in micro-batches of at most ``budget`` tokens (``lengths [N, 1]``), first-fit
     over rows sorted longest first (ties in row order, so every rank of a pipeline agrees); a row
     longer than ``budget`` gets a micro-batch alone."""
-    size = {r: int(lengths[r]) for r in rows}
+    return _first_fit([([r], int(lengths[r])) for r in rows], budget)
+
+
+def _first_fit(items: list[tuple[list[int], int]], budget: int) -> list[list[int]]:
+    """Items (rows, tokens) into micro-batches of at most ``budget`` tokens, longest first."""
     groups, room = [], []
-    for row in sorted(rows, key=lambda r: (-size[r], r)):
+    for rows, size in sorted(items, key=lambda item: (-item[1], item[0][0])):
         for index, free in enumerate(room):
-            if size[row] <= free:
-                groups[index].append(row)
-                room[index] -= size[row]
+            if size <= free:
+                groups[index] += rows
+                room[index] -= size
                 break
         else:
-            groups.append([row])
-            room.append(budget - size[row])
+            groups.append(list(rows))
+            room.append(budget - size)
     return groups
+
+
+def shared_token_groups(batch: dict, rows: list[int], budget: int) -> list[list[int]]:
+    """:func:`token_groups` counting each shared prompt once: the samples of a group
+    (:func:`~megatron_rlhf.data.packing.prompt_units`) stay together while they fit ``budget``
+    with their prompt once; a larger group is split into parts that do."""
+    lengths = batch["lengths"][:, 0]
+    tokens = [batch["input_ids"][r, :int(lengths[r])].tolist() for r in rows]
+    units, _ = prompt_units(tokens, batch["group"][torch.tensor(rows)].tolist())
+    items = []
+    for unit in units:
+        part, size = [], unit.prefix
+        for member in unit.members:
+            cost = len(tokens[member]) - unit.prefix
+            if part and size + cost > budget:
+                items.append(([rows[m] for m in part], size))
+                part, size = [], unit.prefix
+            part.append(member)
+            size += cost
+        items.append(([rows[m] for m in part], size))
+    return _first_fit(items, budget)
+
+
+def group_major_order(groups: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """A shuffle of the samples that keeps each group (prompt) together: the groups in random
+    order, each group's samples in row order (mini- and micro-batches then share prompts)."""
+    order = torch.randperm(int(groups.max()) + 1, generator=generator).tolist()
+    rank = {g: i for i, g in enumerate(order)}
+    return sorted(range(len(groups)), key=lambda row: (rank[int(groups[row])], row))
 
 
 class PPOWorker:
@@ -117,6 +165,7 @@ class PPOWorker:
         self.pack_capacity = 0
         if packing_supported(data.use_remove_padding, "ppo"):
             self.pack_capacity = data.max_prompt_length + data.max_response_length
+        self.share_prompts = prompt_sharing(data.share_prompts, bool(self.pack_capacity))
         if "actor" in roles:
             self._build_actor(total_updates["actor"])
         if "critic" in roles:
@@ -137,6 +186,7 @@ class PPOWorker:
         options = replace(model_options(cfg.actor.parallel, cfg.actor.moe), moe_routing_replay=True)
         model, self.arch, self.hf_dir, self.padded = load_policy(cfg.actor.model_path, self.groups,
                                                                  self.dtype, options)
+        check_prompt_sharing(self.share_prompts, self.arch, cfg.actor.parallel, "ppo actor")
         self.lora = add_adapters(model, cfg.actor.lora, cfg.trainer.seed, "ppo actor",
                                  "actor.lora")
         self.ref = None  # with adapters: the actor's own model (run with them switched off)
@@ -168,6 +218,7 @@ class PPOWorker:
         if uses_critic(cfg):
             source = resolve_value_source(cfg.critic.model_path or cfg.actor.model_path,
                                           self.groups.layout)
+            check_prompt_sharing(self.share_prompts, source.arch, parallel, "ppo critic")
             model = build_value_model(source, self.groups, self.dtype, cfg.trainer.seed, options)
             self.critic_lora = add_adapters(model, cfg.critic.lora, cfg.trainer.seed,
                                             "ppo critic", "critic.lora")
@@ -255,15 +306,18 @@ class PPOWorker:
     def _micro(self, batch: dict, rows: list[int], extra: dict | None = None):
         """(micro-batches of ``rows``, the rows in their order): ``actor.ppo_micro_batch_size_per_rank``
         samples each, or packed up to ``actor.ppo_micro_batch_tokens_per_rank`` tokens."""
-        budget = self.config.actor.ppo_micro_batch_tokens_per_rank
+        budget, share = self.config.actor.ppo_micro_batch_tokens_per_rank, self.share_prompts
         if budget and self.pack_capacity:
-            groups = token_groups(batch["lengths"], rows, budget)
-            # Rows stay one sample long at most: with a dense block-diagonal mask, attention
-            # costs the square of a row's length, so one row of the whole budget is slower.
-            micro = [micro_batches(batch, g, len(g), extra, self.pack_capacity)[0] for g in groups]
+            groups = (shared_token_groups(batch, rows, budget) if share
+                      else token_groups(batch["lengths"], rows, budget))
+            # Rows stay one sample long at most (one group, shared): with a dense mask,
+            # attention costs the square of a row's length, so one row of the whole budget is
+            # slower.
+            micro = [micro_batches(batch, g, len(g), extra, self.pack_capacity, share)[0]
+                     for g in groups]
             return micro, [r for g in groups for r in g]
         size = self.config.actor.ppo_micro_batch_size_per_rank
-        return micro_batches(batch, rows, size, extra, self.pack_capacity), rows
+        return micro_batches(batch, rows, size, extra, self.pack_capacity, share), rows
 
     def _forward(self, model, batch: dict, head, hidden_states: bool = False,
                  replay=None, which: str = "old") -> torch.Tensor | None:
@@ -346,10 +400,11 @@ class PPOWorker:
         count = batch["input_ids"].shape[0]
         plan = batch_plan(min(cfg.actor.ppo_mini_batch_size, count),
                           cfg.actor.ppo_micro_batch_size_per_rank, g.layout.dp)
-        sums = []
+        sums, tokens = [], torch.zeros(3, dtype=torch.float64)
         for epoch in range(epochs):
             generator = torch.Generator().manual_seed(cfg.trainer.seed * 7919 + step * 31 + epoch)
-            order = torch.randperm(count, generator=generator).tolist()
+            order = (group_major_order(batch["group"], generator) if self.share_prompts
+                     else torch.randperm(count, generator=generator).tolist())
             for start in range(0, count, plan.per_step):
                 rows = order[start:start + plan.per_step]
                 mine = rows[dp_slice(len(rows), g.layout.dp, g.dp_rank)]
@@ -359,6 +414,7 @@ class PPOWorker:
                 weight = len(micro) * g.layout.dp / denominator(batch, rows)
                 for m in micro:
                     m["loss_weight"] = weight
+                    tokens += torch.tensor(token_counts(m), dtype=torch.float64)
                 # Inf/NaN comes back as metrics: the driver's guard rolls the step back.
                 if replay is not None:
                     replay.start(*pass_mode(cfg.actor.router_replay, batch, "update"))
@@ -370,7 +426,21 @@ class PPOWorker:
                         replay.stop()
                 sums.append(reduce_metrics(result.metrics, g, keys)
                             | {"grad_norm": result.grad_norm, "lr": result.lr, **result.moe})
-        return sums
+        return sums, self._tokens_over_ranks(tokens)
+
+    def _tokens_over_ranks(self, tokens: torch.Tensor) -> dict[str, float]:
+        """An update's token counts (:func:`token_counts`) summed over data-parallel ranks:
+        ``tokens_computed`` (what the model ran, shared prompts once, padding included),
+        ``tokens_sample`` (the samples' own), ``prompt_groups_unshared``."""
+        import torch.distributed as dist
+
+        from megatron_rlhf.distributed.platform import device
+
+        total = tokens.to(device())
+        dist.all_reduce(total, group=self.groups.dp)
+        computed, sample, unshared = total.tolist()
+        return {"tokens_computed": computed, "tokens_sample": sample,
+                "prompt_groups_unshared": unshared}
 
     def update_actor(self, batch: Experience, step: int, kl_loss_coef: float) -> dict:
         """One step's actor update. A multi-agent population batch carries the step's whole
@@ -387,10 +457,12 @@ class PPOWorker:
         if self.replay is not None:
             self.replay.take_counts()  # the old and reference passes' are not the update's
         with self.residency.phase(actor=PARTS):
-            sums = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
-                                lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
-                                hidden_states=bool(cfg.logprob_chunk_tokens), replay=self.replay)
-        out = _average(sums, "actor") | self._replayed_in_update()
+            sums, tokens = self._update(self.actor, batch, cfg.ppo_epochs, step, loss, ACTOR_KEYS,
+                                        lambda b, rows: self._denominator(b, rows, cfg.loss_agg_mode),
+                                        hidden_states=bool(cfg.logprob_chunk_tokens),
+                                        replay=self.replay)
+        out = (_average(sums, "actor") | {f"actor/{k}": v for k, v in tokens.items()}
+               | self._replayed_in_update())
         if self.ref is None:  # no reference model: no KL to report
             del out["actor/kl"]
         if digest is not None:
@@ -433,9 +505,9 @@ class PPOWorker:
         loss = lambda out, b: critic_loss(out, b, cliprange_value=cfg.critic.cliprange_value,  # noqa: E731
                                           agg_mode=cfg.actor.loss_agg_mode, horizon=self.horizon)
         with self.residency.phase(critic=PARTS):
-            sums = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
-                                lambda b, rows: self._denominator(b, rows, cfg.actor.loss_agg_mode))
-        return _average(sums, "critic")
+            sums, tokens = self._update(self.critic, batch, epochs, step + 10 ** 6, loss, CRITIC_KEYS,
+                                        lambda b, rows: self._denominator(b, rows, cfg.actor.loss_agg_mode))
+        return _average(sums, "critic") | {f"critic/{k}": v for k, v in tokens.items()}
 
     @property
     def horizon(self) -> int:
