@@ -11,6 +11,12 @@ def with_context(response, ground_truth, prompt, extra):
             "has_task": float("task" in extra)}
 
 
+def length_in_tens(response, ground_truth):
+    """A score that differs between the replies of an untrained tiny policy (which never
+    answers right, so the checker's scores are all 0): group preferences that are not ties."""
+    return len(response) / 10.0
+
+
 def two_args(response, ground_truth):
     return 0.5
 

@@ -17,7 +17,8 @@ def workspace(tmp_path_factory):
 
 
 def test_sppo_runs_at_tp2_with_packing_and_resumes_exactly(workspace, tmp_path):
-    """SPPO through the real command at TP=2 over packed micro-batches, the actor with LoRA
+    """SPPO through the real command at TP=2 over packed micro-batches sharing each group's
+    prompt, the actor with LoRA
     adapters and the distributed optimizer: a run SIGKILLed while it saves a later step (its
     metrics row already logged, its checkpoint not committed) and relaunched (fresh workers
     loading adapters, optimizer and scheduler) reproduces the uninterrupted run: every value of
@@ -29,13 +30,16 @@ def test_sppo_runs_at_tp2_with_packing_and_resumes_exactly(workspace, tmp_path):
             "algorithm.use_kl_in_reward=false", "actor.parallel.tp=2", "trainer.n_gpus_per_node=2",
             "data.use_remove_padding=true", "trainer.max_steps=3", "trainer.save_every_steps=1",
             "trainer.keep_last_n=3", "trainer.eval_every_steps=0", "trainer.val_before_train=false",
-            "actor.lora.rank=8", "actor.parallel.use_distributed_optimizer=true"]
+            "actor.lora.rank=8", "actor.parallel.use_distributed_optimizer=true",
+            "reward.fn=tests.reward_helpers:length_in_tens"]
     full = tmp_path / "full"
     code, stdout, stderr = finish(ppo(overrides(workspace, full, *sppo)))
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     reference = [r for r in metrics(full) if "actor/pg_loss" in r]
     assert len(reference) == 3 and all(math.isfinite(r["actor/pg_loss"]) for r in reference)
     assert reference[0]["actor/pg_loss"] > 0  # the squared gap to eta * (win rate - 1/2)
+    # Each group's prompt computed once (data.share_prompts, on with packed rows).
+    assert all(r["actor/tokens_computed"] < 0.8 * r["actor/tokens_sample"] for r in reference)
     # LoRA: adapters alone train (on every rank's linears), the engine gets merged weights (its
     # log-probs are the trainer's after every sync), the checkpoint records the adapters' spec.
     assert "[ppo actor] LoRA rank 8 on 16 linears of this stage" in stdout
