@@ -9,6 +9,8 @@ parameter). Layouts: DP=2, TP=2 with sequence parallelism, PP=2, DP=2 with full 
 LoRA, with the distributed optimizer; Qwen3-MoE and DeepSeek-V3 (multi-latent attention, YaRN)
 at EP=2 replaying recorded routing (R3), DeepSeek-V3 also under full recompute (its RoPE runs
 inside the recomputed layers); DeepSeek-V3 of 5 layers at PP=2 (uneven stages).
+A Bradley-Terry reward model's pairs, both sides sharing their prompt or not, at DP=2, TP=2 with
+sequence parallelism and PP=2: both rewards, one step's gradients and metric sums.
 Usage: torchrun --nproc-per-node 2 tests/dist_shared_prompts.py MODELS_ROOT FAMILIES_ROOT OUT.json
 """
 
@@ -167,12 +169,62 @@ def compare(roots: dict, label: str) -> dict:
             "computed": max_over_world(shared["computed"]), "sample": max_over_world(shared["sample"])}
 
 
+def rm_run(root: Path, layout: tuple[tuple, bool], share: bool) -> dict:
+    """A Bradley-Terry reward model (tiny Qwen2 with a value head): both sides' rewards, and one
+    optimizer step's gradients and metric sums, over pairs packed with or without sharing."""
+    from dist_parity import layout_groups
+
+    from megatron_rlhf.config.schema import RMConfig
+    from megatron_rlhf.data.preference import TokenizedPair
+    from megatron_rlhf.trainers.rl.value_init import build_value_model, resolve_value_source
+    from megatron_rlhf.trainers.rm import METRIC_KEYS, pair_batch, pair_rewards, rm_loss
+
+    from megatron_rlhf.distributed.layout import ParallelLayout
+
+    layout, sp = layout
+    source = resolve_value_source(str(root / "qwen2_rm"), ParallelLayout(*layout))
+    groups = layout_groups(layout, source.arch.shape)
+    model = build_value_model(source, groups, torch.float32, 0, ModelOptions(sequence_parallel=sp))
+    generator = torch.Generator().manual_seed(11)
+    ids = lambda n: tuple(torch.randint(3, 250, (n,), generator=generator).tolist())  # noqa: E731
+    pairs = []
+    for prompt_len, chosen, rejected in ((9, 5, 3), (14, 2, 8), (5, 7, 7), (11, 1, 4)):
+        prompt = ids(prompt_len)
+        pairs.append(TokenizedPair(prompt + ids(chosen), prompt + ids(rejected)))
+    config = RMConfig()
+    config.data.max_prompt_length, config.data.max_response_length = 16, 16
+    config.data.share_prompts = share
+    mine = pairs[dp_slice(len(pairs), groups.layout.dp, groups.dp_rank)]
+    micro = [pair_batch(mine[i:i + 1], config, 0) for i in range(len(mine))]
+    rewards = pipeline_forward(model, groups, micro, lambda out, b: torch.cat(pair_rewards(out, b)))
+    trainable = make_trainable(model, groups, config.optim, 1)
+    result = train_step(trainable, micro, lambda out, b: rm_loss(out, b, config))
+    return {"rewards": torch.cat(rewards) if rewards else None,
+            "grads": torch.cat([p.main_grad.flatten() for p in trainable.model.parameters()]),
+            "metrics": reduce_metrics(result.metrics, groups, METRIC_KEYS)}
+
+
+def rm_compare(roots: dict, layout: tuple) -> dict:
+    copies, shared = (rm_run(roots["models"], layout, share) for share in (False, True))
+    has = copies["rewards"] is not None
+    return {"reward_diff": max_over_world(float((copies["rewards"] - shared["rewards"]).abs().max())
+                                          if has else None),
+            "reward_abs_max": max_over_world(float(copies["rewards"].abs().max()) if has else None),
+            "grad_diff": max_over_world(float((copies["grads"] - shared["grads"]).abs().max())),
+            "grad_abs_max": max_over_world(float(copies["grads"].abs().max())),
+            "metrics_copies": copies["metrics"], "metrics_shared": shared["metrics"]}
+
+
+RM_LAYOUTS = {"rm_dp2": ((1, 1), False), "rm_tp2_sp": ((2, 1), True), "rm_pp2": ((1, 2), False)}
+
+
 def main() -> None:
     roots = {"models": Path(sys.argv[1]), "families": Path(sys.argv[2])}
     out = Path(sys.argv[3])
     init_distributed()
-    only = sys.argv[4].split(",") if len(sys.argv) > 4 else list(SCENARIOS)
-    write_results_and_leave(out, {label: compare(roots, label) for label in only})
+    only = sys.argv[4].split(",") if len(sys.argv) > 4 else [*SCENARIOS, *RM_LAYOUTS]
+    write_results_and_leave(out, {label: compare(roots, label) if label in SCENARIOS
+                                  else rm_compare(roots, RM_LAYOUTS[label]) for label in only})
 
 
 if __name__ == "__main__":

@@ -133,3 +133,34 @@ def test_memory_tags_follow_sglangs_order(tiny_models, engine_and_reference):
         engine.generate(PROMPTS, params)
     with pytest.raises(ValueError, match="cuda_graph"):
         engine.release_memory(["cuda_graph"])
+
+
+def test_a_prompt_sampled_n_times_is_prefilled_once(family_models):
+    """rollout.n samples of a prompt: its KV cache (all but its last token) is computed once and
+    repeated for each sample. The same samples, log-probs and MoE routing (Qwen3-MoE, greedy
+    and sampled) as prefilling every copy, with fewer tokens through the model."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_models["qwen3_moe"]
+    engine = HFGenerator(str(path), torch.float32, pad_id=0, eos_id=1)
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(path).state_dict().items())
+    seen = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(int(kwargs["input_ids"].numel())), with_kwargs=True)
+    try:
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(max_tokens=6, temperature=temperature, n=4, seed=5,
+                                    routed_experts=True)
+            runs = {}
+            for share in (False, True):
+                engine.share_prefill, seen[:] = share, []
+                runs[share] = (engine.generate(PROMPTS, params), sum(seen))
+            (copies, copies_tokens), (shared, shared_tokens) = runs[False], runs[True]
+            assert shared_tokens < copies_tokens
+            for a, b in zip(copies, shared):
+                assert a.tokens == b.tokens and a.prompt_index == b.prompt_index
+                assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+                assert torch.equal(a.routing, b.routing)
+    finally:
+        hook.remove()
+        engine.share_prefill = True

@@ -129,3 +129,31 @@ def test_shared_prompts_give_the_update_of_one_copy_per_reply(shared_results, sc
     assert copies["tokens"] == shared["tokens"] > 0
     for key in ("pg_loss", "entropy", "kl", "clipfrac", "ppo_kl"):
         assert shared[key] == pytest.approx(copies[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_preference_pair_shares_its_prompt():
+    from megatron_rlhf.data.packing import pack_sequences, pack_shared
+
+    pairs = [[1, 2, 3, 4, 10, 11], [1, 2, 3, 4, 12], [5, 6, 13], [5, 6, 14, 15]]
+    shared = pack_shared(pairs, [0, 0, 1, 1], 32, 0)
+    assert shared.input_ids.tolist() == [[1, 2, 3, 4, 10, 11, 4, 12, 5, 6, 13, 6, 14, 15]]
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 3, 4, 0, 1, 2, 1, 2, 3]]
+    assert shared.last_index.tolist() == [[0, 5], [0, 7], [0, 10], [0, 13]]
+    assert (shared.num_tokens, shared.computed_tokens) == (18, 14)
+    plain = pack_sequences(pairs, 32, 0)
+    assert plain.computed_tokens == plain.num_tokens == 18
+    assert pack_sequences(pairs, 32, 0, remove_padding=False).computed_tokens == 4 * 6
+
+
+@pytest.mark.parametrize("layout", ["rm_dp2", "rm_tp2_sp", "rm_pp2"])
+def test_a_reward_model_scores_and_learns_the_same_on_shared_prompts(shared_results, layout):
+    """Both sides' rewards within 1e-6 of the largest, one step's gradients within 1e-6 of the
+    largest, the same loss and accuracy sums."""
+    result = shared_results[layout]
+    assert result["reward_abs_max"] > 0 and result["grad_abs_max"] > 0
+    assert 0 <= result["reward_diff"] < 1e-6 * max(1.0, result["reward_abs_max"])
+    assert 0 <= result["grad_diff"] < 1e-6 * result["grad_abs_max"]
+    copies, shared = result["metrics_copies"], result["metrics_shared"]
+    assert shared["computed"] < copies["computed"] and shared["tokens"] == copies["tokens"]
+    for key in ("loss", "correct", "margin", "chosen", "rejected"):
+        assert shared[key] == pytest.approx(copies[key], rel=1e-5, abs=1e-6), key

@@ -134,6 +134,12 @@ class PreferenceDataConfig(DataConfig):
 
     margin_column: Optional[str] = None
     """Optional float column holding each pair's required reward margin."""
+    share_prompts: Optional[bool] = None
+    """The two sides of a pair share their prompt in a packed row: the prompt once, then each
+    response attending to it and to itself, at the positions it has after the prompt (its
+    forward and backward computed once, exactly). Unset: on wherever rows are packed
+    (``use_remove_padding``, megatron's own attention); ``true`` where it cannot apply is an
+    error; ``false``: a copy per side."""
 
 
 @dataclass

@@ -18,13 +18,15 @@ class PackedBatch:
 
     ``input_ids [R, L]``; ``attention_mask [R, 1, L, L]`` bool, True = may not attend (None means
     plain causal, one sequence per row); ``last_index [N, 2]`` (row, position) of each sequence's
-    last token, in input order; ``num_tokens`` real (non-padding) tokens.
+    last token, in input order; ``num_tokens`` the sequences' tokens.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor | None
     last_index: torch.Tensor
     num_tokens: int
+    position_ids: torch.Tensor | None = None  # [R, L] with shared prompts (pack_shared)
+    computed_tokens: int = 0  # the real tokens in the rows (a shared prompt counted once)
 
 
 def _assign_rows(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -70,7 +72,28 @@ def pack_sequences(sequences: list[list[int]], row_capacity: int, pad_id: int,
         # attention kernels never produce NaN there (their outputs are never read).
         allowed |= torch.eye(width, dtype=torch.bool) & (segments[:, :, None] < 0)
         mask = (~allowed).unsqueeze(1)
-    return PackedBatch(tokens, mask, last_index, sum(lengths))
+    return PackedBatch(tokens, mask, last_index, sum(lengths),
+                       computed_tokens=sum(lengths) if remove_padding else tokens.numel())
+
+
+def pack_shared(sequences: list[list[int]], groups: list[int], row_capacity: int,
+                pad_id: int) -> PackedBatch:
+    """:func:`pack_sequences` where the sequences of a group (the two sides of a preference
+    pair) share their common start (:func:`prompt_units`), with ``position_ids``."""
+    lengths = [len(s) for s in sequences]
+    units, _ = prompt_units(sequences, groups)
+    owner, unit_of, segment, position, unpack_row, unpack_col = _place(
+        units, lengths, row_capacity, max(lengths))
+    grid = torch.full((len(sequences), max(lengths)), pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        grid[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    valid = owner >= 0
+    tokens = grid.flatten()[owner.clamp(min=0)].masked_fill(~valid, pad_id)
+    last = torch.tensor(lengths) - 1
+    index = torch.arange(len(sequences))
+    last_index = torch.stack([unpack_row[index, last], unpack_col[index, last]], dim=1)
+    return PackedBatch(tokens, _unit_mask(unit_of, segment), last_index, sum(lengths), position,
+                       int(valid.sum()))
 
 
 def pad_batch(batch: dict, rows: int, length: int, pad_id: int = 0) -> dict:

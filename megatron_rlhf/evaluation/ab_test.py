@@ -308,9 +308,10 @@ def reward_model_sequences(inputs: ABInputs, side: str, samples: Samples, k: int
 
 
 def reward_model_scores(inputs: ABInputs, sequences: list[list[int]], groups: ParallelGroups,
-                        pad: int) -> np.ndarray:
+                        pad: int, prompt_of: list[int] | None = None) -> np.ndarray:
     """The reward model's value at the last token of every sequence ``[N]``, on every rank.
-    Each data-parallel rank scores its contiguous slice (PPO's ``dp_slice``)."""
+    Each data-parallel rank scores its contiguous slice (PPO's ``dp_slice``); ``prompt_of``:
+    the prompt of each sequence (the samples of one prompt share it, see ``score_sequences``)."""
     import torch.distributed as dist
 
     from megatron_rlhf.rewards.rm_scorer import score_sequences
@@ -321,8 +322,9 @@ def reward_model_scores(inputs: ABInputs, sequences: list[list[int]], groups: Pa
     source = inputs.reward_model
     model = build_value_model(resolve_value_source(str(source.path), groups.layout), groups,
                               source.dtype, seed=0).eval()
-    mine = sequences[dp_slice(len(sequences), groups.layout.dp, groups.dp_rank)]
-    values = score_sequences(model, groups, mine, RM_MICRO_BATCH, pad)
+    share = dp_slice(len(sequences), groups.layout.dp, groups.dp_rank)
+    values = score_sequences(model, groups, sequences[share], RM_MICRO_BATCH, pad,
+                             prompt_of=None if prompt_of is None else prompt_of[share])
     owner = groups.is_last_stage and groups.tp_rank == 0
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (groups.dp_rank, values) if owner else None)
@@ -359,8 +361,9 @@ def judge(inputs: ABInputs, samples: dict[str, Samples], args, groups: ParallelG
         tokenizer = _tokenizer(inputs.reward_model)
         both = [s for side in SIDES
                 for s in reward_model_sequences(inputs, side, samples[side], k, tokenizer)]
-        values = reward_model_scores(inputs, both, groups, pad_id(tokenizer))
-        half = len(values) // 2
+        half = len(both) // 2  # side a's P * K samples, then side b's, prompt-major
+        values = reward_model_scores(inputs, both, groups, pad_id(tokenizer),
+                                     [(i % half) // k for i in range(len(both))])
         out["rm"] = {"a": values[:half], "b": values[half:]}
     if dist.get_rank() != 0:
         return None

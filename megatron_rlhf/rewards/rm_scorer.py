@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from megatron_rlhf.checkpoint.model_ckpt import load_model_checkpoint, read_checkpoint_info
 from megatron_rlhf.data.chat import pad_id, render_pair
+from megatron_rlhf.data.packing import pack_shared
 from megatron_rlhf.data.parquet import read_table, write_table_atomic
 from megatron_rlhf.data.preference import PAIR_COLUMNS
 from megatron_rlhf.distributed.launch import init_distributed
@@ -37,20 +38,41 @@ def last_token_rewards(values: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
 
 
 def score_sequences(model, groups: ParallelGroups, sequences: list[list[int]],
-                    micro_batch_size: int, pad_id: int = 0, progress: bool = True) -> list[float]:
-    """Reward of every token sequence; valid on the last pipeline stage, ``[]`` elsewhere."""
+                    micro_batch_size: int, pad_id: int = 0, progress: bool = True,
+                    prompt_of: list[int] | None = None) -> list[float]:
+    """Reward of every token sequence; valid on the last pipeline stage, ``[]`` elsewhere.
+    ``prompt_of``: which prompt each sequence answers; the sequences of one prompt in a
+    micro-batch then share it (:func:`~megatron_rlhf.data.packing.pack_shared`), except under
+    Transformer Engine, whose kernels ignore that layout's mask (each keeps its own copy)."""
+    from megatron_rlhf.models.builder import uses_transformer_engine
+
+    share = prompt_of is not None and not uses_transformer_engine()
     batches = []
     for start in range(0, len(sequences), micro_batch_size):
-        tokens, lengths = pad_right(sequences[start:start + micro_batch_size], pad_id)
-        batches.append({"input_ids": tokens, "lengths": lengths})
+        part = sequences[start:start + micro_batch_size]
+        if share:
+            packed = pack_shared(part, prompt_of[start:start + micro_batch_size],
+                                 max(len(s) for s in part), pad_id)
+            batches.append({"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
+                            "position_ids": packed.position_ids, "last_index": packed.last_index})
+        else:
+            tokens, lengths = pad_right(part, pad_id)
+            batches.append({"input_ids": tokens, "lengths": lengths})
     rewards: list[float] = []
     chunk = 8  # micro-batches per pipeline schedule call: keeps the progress bar moving
     show = progress and dist.get_rank() == 0
     for start in tqdm(range(0, len(batches), chunk), desc="scoring", unit="chunk", disable=not show):
-        outputs = pipeline_forward(model, groups, batches[start:start + chunk],
-                                   lambda out, batch: last_token_rewards(out, batch["lengths"]))
+        outputs = pipeline_forward(model, groups, batches[start:start + chunk], _rewards_at_ends)
         rewards.extend(value for out in outputs for value in out.tolist())
     return rewards
+
+
+def _rewards_at_ends(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The value at each sequence's last token: ``last_index`` (packed) or ``lengths``."""
+    if "last_index" in batch:
+        index = batch["last_index"].to(values.device)
+        return values[index[:, 0], index[:, 1], 0].float()
+    return last_token_rewards(values, batch["lengths"])
 
 
 def _tokenize_rows(tokenizer, table: pa.Table, max_tokens: int, path: str) -> list[list[int]]:
@@ -87,7 +109,8 @@ def score_pairs(model_dir: str, data: str, output: str, layout: ParallelLayout =
     model = load_model_checkpoint(info, groups)
     rows = list(range(groups.dp_rank, table.num_rows, groups.layout.dp))
     sequences = [everything[2 * row + side] for row in rows for side in (0, 1)]
-    rewards = score_sequences(model, groups, sequences, micro_batch_size, pad_id(tokenizer))
+    rewards = score_sequences(model, groups, sequences, micro_batch_size, pad_id(tokenizer),
+                              prompt_of=[i // 2 for i in range(len(sequences))])
     owner = groups.is_last_stage and groups.tp_rank == 0
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (rows, rewards) if owner else None)

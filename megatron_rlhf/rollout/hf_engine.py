@@ -40,6 +40,7 @@ class HFGenerator:
             self.model = _tensor_parallel(self.model, slot, expert_parallel, device)
         self.pad_id, self.eos_id, self.device, self.max_batch = pad_id, eos_id, device, max_batch
         self.adopt_storage = adopt_storage
+        self.share_prefill = True  # a prompt sampled n times is prefilled once (_prefill)
         self._params = dict(self.model.named_parameters())
         self._shapes = {n: _local(p).shape for n, p in self._params.items()}
         state = self.model.state_dict()
@@ -175,6 +176,10 @@ class HFGenerator:
         routes = _RoutedExperts(self.model, len(rows)) if params.routed_experts else None
         hooks += routes.hooks if routes is not None else []
         try:
+            cache = self._prefill(ids, mask, rows, routes)
+            if cache is not None:
+                kwargs["past_key_values"] = cache
+                recorder.pending = None  # the prefill predicts no sampled token
             result = self.model.generate(input_ids=ids.to(self.device),
                                          attention_mask=mask.to(self.device), **kwargs)
         finally:
@@ -197,6 +202,35 @@ class HFGenerator:
         return out
 
 
+    @torch.no_grad()
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, rows: list[int], routes):
+        """The KV cache of each distinct prompt's tokens but its last, computed once and
+        repeated for every row that samples it (``rows``: the prompt of each row), for
+        ``generate`` to continue from; None when no prompt repeats. ``routes`` records the
+        prefill's routing per distinct prompt, then repeats it as the cache."""
+        distinct = sorted(set(rows), key=rows.index)
+        if not self.share_prefill or len(distinct) == len(rows) or ids.shape[1] < 2:
+            return None
+        from transformers import DynamicCache
+
+        first = torch.tensor([rows.index(i) for i in distinct])
+        which = torch.tensor([distinct.index(i) for i in rows])
+        cache = DynamicCache(config=self.model.config)
+        if routes is not None:
+            routes.rows = len(distinct)
+        prefix = mask[first, :-1]
+        # Positions as generate() derives them from the mask (left padding: the first real token
+        # at 0), so that the continuation's are consistent with the cache's.
+        positions = (prefix.cumsum(-1) - 1).clamp(min=0)
+        self.model(input_ids=ids[first, :-1].to(self.device), attention_mask=prefix.to(self.device),
+                   position_ids=positions.to(self.device), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+        cache.batch_select_indices(which.to(self.device))
+        if routes is not None:
+            routes.repeat(which)
+        return cache
+
+
 class _RoutedExperts:
     """Top-k expert ids of every MoE router, via forward hooks: transformers' routers
     (Qwen2/3-MoE ``*TopKRouter``, DeepSeek-V3 ``DeepseekV3TopkRouter``) return their ids last,
@@ -215,6 +249,12 @@ class _RoutedExperts:
             ids = ids.full_tensor() if _is_dtensor(ids) else ids
             self.steps[index].append(ids.detach().to("cpu", torch.int16).view(self.rows, -1, ids.shape[-1]))
         return record
+
+    def repeat(self, which: torch.Tensor) -> None:
+        """What was recorded for distinct prompts (a shared prefill), for every row: row ``r``
+        gets the record of prompt ``which[r]``."""
+        self.steps = [[step[which] for step in steps] for steps in self.steps]
+        self.rows = len(which)
 
     @cached_property
     def stacked(self) -> torch.Tensor:

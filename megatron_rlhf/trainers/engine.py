@@ -54,9 +54,9 @@ def prompt_sharing(requested: bool | None, packing: bool) -> bool:
     if requested is None:
         return packing
     if requested and not packing:
-        raise UserError("data.share_prompts=true needs packed rows with megatron's own attention "
-                        "(Transformer Engine's kernels ignore the shared-prompt mask): set "
-                        "data.share_prompts=false or leave it unset")
+        raise UserError("data.share_prompts=true needs packed rows: data.use_remove_padding=true "
+                        "with megatron's own attention (Transformer Engine's kernels ignore the "
+                        "shared-prompt mask); set data.share_prompts=false or leave it unset")
     return requested
 
 

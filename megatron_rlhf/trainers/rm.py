@@ -1,7 +1,8 @@
 """`megatron-rlhf train-rm`: a Bradley-Terry reward model on Megatron-Core.
 
 Chosen and rejected responses go through the model in the same forward pass (packed into shared
-rows when ``data.use_remove_padding``); the reward is the value head at each sequence's last token.
+rows when ``data.use_remove_padding``, their common prompt once with ``data.share_prompts``);
+the reward is the value head at each sequence's last token.
 """
 
 from __future__ import annotations
@@ -18,21 +19,22 @@ from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_rm_config
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
 from megatron_rlhf.config.schema import RMConfig
-from megatron_rlhf.data.packing import pack_sequences
+from megatron_rlhf.data.packing import pack_sequences, pack_shared
 from megatron_rlhf.data.preference import TokenizedPair, load_pairs
 from megatron_rlhf.data.chat import pad_id
 from megatron_rlhf.distributed.launch import discover_rank, init_distributed
 from megatron_rlhf.distributed.layout import ParallelGroups, build_parallel_groups
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
-from megatron_rlhf.trainers.engine import (add_adapters, make_trainable, packing_supported,
-                                          reduce_metrics, training_dtype)
+from megatron_rlhf.trainers.engine import (add_adapters, check_prompt_sharing, make_trainable,
+                                          packing_supported, prompt_sharing, reduce_metrics,
+                                          training_dtype)
 from megatron_rlhf.trainers.loop import Run, epoch_order, run_job
 from megatron_rlhf.trainers.rl.value_init import (build_value_model, resolve_value_source,
                                                reward_model_hf_config)
 
 METRIC_KEYS = ["loss", "correct", "margin", "chosen", "chosen_sq", "rejected", "rejected_sq",
-               "count", "tokens"]
+               "count", "tokens", "computed"]
 
 
 @dataclass
@@ -49,14 +51,22 @@ class RMData:
 
 
 def pair_batch(pairs: list[TokenizedPair], config: RMConfig, pad_id: int) -> dict:
-    """Both sides of every pair in one batch: sequence ``2i`` is chosen, ``2i + 1`` rejected."""
+    """Both sides of every pair in one batch: sequence ``2i`` is chosen, ``2i + 1`` rejected;
+    with ``data.share_prompts`` the two sides of a pair share their prompt (:func:`pack_shared`)."""
     data = config.data
     sequences = [list(side) for p in pairs for side in (p.chosen, p.rejected)]
-    packed = pack_sequences(sequences, data.max_prompt_length + data.max_response_length, pad_id,
-                            data.use_remove_padding)
-    return {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
-            "last_index": packed.last_index, "num_tokens": packed.num_tokens,
-            "margin": torch.tensor([p.margin for p in pairs])}
+    capacity = data.max_prompt_length + data.max_response_length
+    if data.share_prompts:
+        packed = pack_shared(sequences, [i // 2 for i in range(len(sequences))], capacity, pad_id)
+    else:
+        packed = pack_sequences(sequences, capacity, pad_id, data.use_remove_padding)
+    batch = {"input_ids": packed.input_ids, "attention_mask": packed.attention_mask,
+             "last_index": packed.last_index, "num_tokens": packed.num_tokens,
+             "computed_tokens": packed.computed_tokens,
+             "margin": torch.tensor([p.margin for p in pairs])}
+    if packed.position_ids is not None:
+        batch["position_ids"] = packed.position_ids
+    return batch
 
 
 def pair_rewards(output: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +83,7 @@ def rm_loss(output: torch.Tensor, batch: dict, config: RMConfig):
     metrics = pair_metrics(chosen.detach(), rejected.detach())
     metrics["loss"] = losses.detach().sum()
     metrics["tokens"] = torch.tensor(float(batch["num_tokens"]))
+    metrics["computed"] = torch.tensor(float(batch["computed_tokens"]))
     return losses.mean(), metrics
 
 
@@ -80,6 +91,8 @@ def summarize(sums: dict[str, float], prefix: str) -> dict[str, float]:
     n = max(sums["count"], 1.0)
     out = {f"{prefix}/loss": sums["loss"] / n, f"{prefix}/accuracy": sums["correct"] / n,
            f"{prefix}/margin_mean": sums["margin"] / n}
+    # The tokens the model ran (a shared prompt once, padding included) and the pairs' own.
+    out[f"{prefix}/tokens_computed"], out[f"{prefix}/tokens_sample"] = sums["computed"], sums["tokens"]
     for side in ("chosen", "rejected"):
         mean = sums[side] / n
         out[f"{prefix}/{side}_reward_mean"] = mean
@@ -144,6 +157,9 @@ def setup(config: RMConfig) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(source.hf_dir, local_files_only=True)
     config.data.use_remove_padding = packing_supported(
         config.data.use_remove_padding, tag="train-rm")
+    config.data.share_prompts = prompt_sharing(config.data.share_prompts,
+                                               config.data.use_remove_padding)
+    check_prompt_sharing(config.data.share_prompts, source.arch, config.parallel, "train-rm")
     init_distributed()
     groups = build_parallel_groups(layout, source.arch.shape, seed=config.trainer.seed)
     plan = batch_plan(config.data.train_batch_size, config.data.micro_batch_size_per_rank,
