@@ -157,3 +157,14 @@ def test_a_reward_model_scores_and_learns_the_same_on_shared_prompts(shared_resu
     assert shared["computed"] < copies["computed"] and shared["tokens"] == copies["tokens"]
     for key in ("loss", "correct", "margin", "chosen", "rejected"):
         assert shared[key] == pytest.approx(copies[key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_group_is_split_where_its_row_would_outgrow_the_limit():
+    """A packed row's mask is dense (its cost the square of the row): a group's unit stays under
+    the limit by splitting the group; each part still shares the prompt."""
+    tokens = [[1, 2, 3, 4, 5, 10 + i, 20 + i] for i in range(6)]
+    units, unshared = prompt_units(tokens, [0] * 6, limit=14)
+    assert [(u.members, u.prefix) for u in units] == [([0, 1, 2], 4), ([3, 4, 5], 4)]
+    assert all(u.tokens([7] * 6) <= 14 for u in units) and unshared == 0
+    units, _ = prompt_units(tokens, [0] * 6, limit=7)  # one member per unit: nothing shared
+    assert [(u.members, u.prefix) for u in units] == [([i], 0) for i in range(6)]

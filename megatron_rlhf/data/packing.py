@@ -81,7 +81,7 @@ def pack_shared(sequences: list[list[int]], groups: list[int], row_capacity: int
     """:func:`pack_sequences` where the sequences of a group (the two sides of a preference
     pair) share their common start (:func:`prompt_units`), with ``position_ids``."""
     lengths = [len(s) for s in sequences]
-    units, _ = prompt_units(sequences, groups)
+    units, _ = prompt_units(sequences, groups, SHARED_ROW_FACTOR * row_capacity)
     owner, unit_of, segment, position, unpack_row, unpack_col = _place(
         units, lengths, row_capacity, max(lengths))
     grid = torch.full((len(sequences), max(lengths)), pad_id, dtype=torch.long)
@@ -142,13 +142,16 @@ class Unit:
         return self.prefix + sum(lengths[i] - self.prefix for i in self.members)
 
 
-def prompt_units(tokens: list[list[int]], groups: list[int]) -> tuple[list[Unit], int]:
+def prompt_units(tokens: list[list[int]], groups: list[int],
+                 limit: int | None = None) -> tuple[list[Unit], int]:
     """Samples of one group (one prompt) that start with the same tokens share them: their
     longest common prefix but its last token, which each member keeps (the logits there predict
     each member's own next token). Exact whatever the tokens are: a prefix shorter than the
     prompt (a template that rendered it differently) shares less, a longer one (replies that
-    start alike) more. Returns the units, in the order of their first member, and how many
-    groups of two or more samples shared nothing."""
+    start alike) more. A group whose unit would exceed ``limit`` tokens is split into units
+    that do not (a packed row's mask is dense: its cost is the square of its length). Returns
+    the units, in the order of their first member, and how many groups of two or more samples
+    shared nothing."""
     members: dict[int, list[int]] = {}
     for index, group in enumerate(groups):
         members.setdefault(group, []).append(index)
@@ -160,12 +163,30 @@ def prompt_units(tokens: list[list[int]], groups: list[int]) -> tuple[list[Unit]
             other = tokens[i]
             common = next((t for t in range(common) if other[t] != first[t]), common)
         if len(indices) > 1 and common > 1:
-            units.append(Unit(indices, common - 1))
+            units += _split(indices, common - 1, [len(t) for t in tokens], limit)
         else:
             unshared += len(indices) > 1
             units += [Unit([i]) for i in indices]
     units.sort(key=lambda unit: unit.members[0])
     return units, unshared
+
+
+def _split(indices: list[int], prefix: int, lengths: list[int], limit: int | None) -> list[Unit]:
+    """``indices`` sharing ``prefix`` tokens, in units of at most ``limit`` tokens (a member
+    alone is never split)."""
+    units, part = [], []
+    for i in indices:
+        if part and limit is not None and Unit(part + [i], prefix).tokens(lengths) > limit:
+            units.append(Unit(part, prefix) if len(part) > 1 else Unit(part))
+            part = []
+        part.append(i)
+    units.append(Unit(part, prefix) if len(part) > 1 else Unit(part))
+    return units
+
+
+# A shared prompt's unit may fill a row of up to this many times the row capacity: with
+# rollout.n replies, one prompt + response long each, it rarely fits one capacity.
+SHARED_ROW_FACTOR = 4
 
 
 def _place(units: list[Unit], lengths: list[int], capacity: int, width_grid: int):
@@ -237,7 +258,8 @@ def pack_token_grid(batch: dict, capacity: int, pad_id: int = 0,
     tokens = [batch["input_ids"][i, :n].tolist() for i, n in enumerate(lengths)]
     units, unshared = [Unit([i]) for i in range(len(lengths))], 0
     if share_prompts:
-        units, unshared = prompt_units(tokens, batch["group"].tolist())
+        units, unshared = prompt_units(tokens, batch["group"].tolist(),
+                                       SHARED_ROW_FACTOR * capacity)
     owner, unit_of, segment, position, unpack_row, unpack_col = _place(
         units, lengths, capacity, batch["input_ids"].shape[1])
     valid = owner >= 0
