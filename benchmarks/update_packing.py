@@ -82,7 +82,7 @@ def run_modes(args) -> dict:
     from megatron_rlhf.trainers.engine import make_trainable, train_step
     from megatron_rlhf.trainers.rl.losses import actor_loss
     from megatron_rlhf.models.output_head import output_head
-    from megatron_rlhf.trainers.rl.worker import micro_batches, token_groups
+    from megatron_rlhf.trainers.rl.micro_batches import micro_batches, token_groups
 
     sys.path.insert(0, str(ROOT / "tests"))
     from dist_parity import from_hf

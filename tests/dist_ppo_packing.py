@@ -26,7 +26,8 @@ from megatron_rlhf.rollout.base import Generation  # noqa: E402
 from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics, train_step  # noqa: E402
 from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
 from megatron_rlhf.trainers.rl.losses import actor_loss, grid_logprobs  # noqa: E402
-from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS, micro_batches, token_groups  # noqa: E402
+from megatron_rlhf.trainers.rl.micro_batches import micro_batches, token_groups  # noqa: E402
+from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS  # noqa: E402
 from megatron_rlhf.data.packing import grid_tensor  # noqa: E402
 from megatron_rlhf.models.megatron_config import ModelOptions  # noqa: E402
 from megatron_rlhf.models.output_head import output_head  # noqa: E402

@@ -35,7 +35,7 @@ from megatron_rlhf.rollout.base import SamplingParams  # noqa: E402
 from megatron_rlhf.rollout.hf_engine import HFGenerator  # noqa: E402
 from megatron_rlhf.trainers.rl.experience import build_batch, engine_logprobs  # noqa: E402
 from megatron_rlhf.trainers.rl.routing import own_routing, routing_replay  # noqa: E402
-from megatron_rlhf.trainers.rl.worker import micro_batches  # noqa: E402
+from megatron_rlhf.trainers.rl.micro_batches import micro_batches  # noqa: E402
 
 # label -> (tp, pp, dp, ep), sequence parallel, full recompute
 LAYOUTS = {"ep2": ((1, 1, None, 2), False, False), "pp2": ((1, 2), False, False),

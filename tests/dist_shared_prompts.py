@@ -36,7 +36,8 @@ from megatron_rlhf.trainers.engine import make_trainable, reduce_metrics, train_
 from megatron_rlhf.trainers.rl.experience import build_batch  # noqa: E402
 from megatron_rlhf.trainers.rl.losses import actor_loss, grid_logprobs  # noqa: E402
 from megatron_rlhf.trainers.rl.routing import own_routing, routing_replay  # noqa: E402
-from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS, dp_slice, micro_batches  # noqa: E402
+from megatron_rlhf.trainers.rl.micro_batches import dp_slice, micro_batches  # noqa: E402
+from megatron_rlhf.trainers.rl.worker import ACTOR_KEYS  # noqa: E402
 
 CAPACITY = 48
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",

@@ -96,7 +96,7 @@ def test_token_budget_micro_batches_give_the_padded_update(packing_results, layo
 
 
 def test_token_groups_fill_micro_batches_longest_first():
-    from megatron_rlhf.trainers.rl.worker import token_groups
+    from megatron_rlhf.trainers.rl.micro_batches import token_groups
 
     lengths = torch.tensor([[16], [5], [23], [6], [18], [7], [14], [15], [50]])
     groups = token_groups(lengths, list(range(9)), 40)

@@ -10,7 +10,7 @@ from megatron_rlhf.config.ppo_schema import AlgorithmConfig, PPOConfig
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.rollout.base import Generation
 from megatron_rlhf.trainers.rl.experience import build_batch, compute_advantages, sample_kl
-from megatron_rlhf.trainers.rl.worker import dp_slice
+from megatron_rlhf.trainers.rl.micro_batches import dp_slice
 
 
 def test_build_batch_puts_response_tokens_on_the_target_grid():

@@ -76,7 +76,7 @@ def test_a_group_larger_than_the_row_gets_a_row_of_its_own():
 
 
 def test_token_budget_counts_a_shared_prompt_once():
-    from megatron_rlhf.trainers.rl.worker import shared_token_groups, token_groups
+    from megatron_rlhf.trainers.rl.micro_batches import shared_token_groups, token_groups
 
     batch = _batch()
     rows = list(range(4))
@@ -90,7 +90,7 @@ def test_token_budget_counts_a_shared_prompt_once():
 
 
 def test_group_major_order_keeps_groups_together():
-    from megatron_rlhf.trainers.rl.worker import group_major_order
+    from megatron_rlhf.trainers.rl.micro_batches import group_major_order
 
     groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
     order = group_major_order(groups, torch.Generator().manual_seed(3))

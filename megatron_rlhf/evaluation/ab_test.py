@@ -316,7 +316,7 @@ def reward_model_scores(inputs: ABInputs, sequences: list[list[int]], groups: Pa
 
     from megatron_rlhf.rewards.rm_scorer import score_sequences
     from megatron_rlhf.trainers.rl.agent import stitch
-    from megatron_rlhf.trainers.rl.worker import dp_slice
+    from megatron_rlhf.trainers.rl.micro_batches import dp_slice
     from megatron_rlhf.trainers.rl.value_init import build_value_model, resolve_value_source
 
     source = inputs.reward_model
