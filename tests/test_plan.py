@@ -4,6 +4,7 @@ published GPU counts (with the offloads those stacks use, in their configs; refu
 ranking, and one clear line for each kind of bad input."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,54 @@ def test_the_plan_says_which_terms_no_measurement_checked(capsys):
     for kernels, unmeasured in (("te", ["activations"]), ("local", [])):
         _, out, _ = plan(capsys, *args, "--kernels", kernels, "--json")
         assert json.loads(out)["unmeasured"] == unmeasured
+
+
+def test_packed_rows_and_shared_prompts_are_planned_from_the_config(tmp_path):
+    """A config's rows as the trainer lays them out (sharing resolved by the same rule, its
+    refusal included), and their activations on megatron's local spec: a packed row's mask adds
+    to padded rows, a shared prompt's row (up to SHARED_ROW_FACTOR rows wide, RoPE per token)
+    adds more for the same tokens; Transformer Engine packs without a mask."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from megatron_rlhf.distributed.layout import ParallelLayout
+    from megatron_rlhf.errors import UserError
+    from megatron_rlhf.convert.checkpoints import read_hf_arch
+    from megatron_rlhf.planning.command import _from_config
+    from megatron_rlhf.planning.plan import Hardware, Run, evaluate
+
+    config, args = tmp_path / "ppo.yaml", SimpleNamespace(gpus=8)
+    packing = {}
+    for name, data in {"shared": "{}", "packed": "{share_prompts: false}",
+                       "none": "{use_remove_padding: false}"}.items():
+        config.write_text(f"actor: {{model_path: x}}\ndata: {data}\n")
+        packing[name] = _from_config(str(config), args)[1].packing
+    assert packing == {"shared": "shared", "packed": "packed", "none": "none"}
+    config.write_text("actor: {model_path: x}\ndata: {use_remove_padding: false, share_prompts: true}\n")
+    with pytest.raises(UserError, match="share_prompts=true needs packed rows"):
+        _from_config(str(config), args)
+
+    arch = read_hf_arch(MODELS / "qwen2.5-0.5b")
+    run, layout, hw = Run("ppo", seq=2048, micro_batch=4, global_batch=64), ParallelLayout(dp=8), Hardware(8)
+    act = {(k, p): evaluate(arch, layout, hw, replace(run, kernels=k, packing=p)).terms["activations"]
+           for k in ("local", "te") for p in ("none", "packed", "shared")}
+    assert act["local", "none"] < act["local", "packed"] < act["local", "shared"]
+    assert act["te", "none"] == act["te", "packed"] == act["te", "shared"]
+
+
+def test_sglang_holds_a_prompt_once_for_its_samples(tmp_path, capsys):
+    """The KV note of a GRPO config: SGLang's radix cache keeps a group's prompt once, so its
+    pool holds more samples than whole sequences (prompt 1024 + reply 1024, n 8: a sample costs
+    1024 + 128 tokens)."""
+    config = tmp_path / "ppo.yaml"
+    config.write_text(f"actor: {{model_path: {MODELS / 'qwen2.5-0.5b'}}}\n"
+                      "data: {max_prompt_length: 1024, max_response_length: 1024}\n"
+                      "rollout: {n: 8, backend: sglang}\nalgorithm: {adv_estimator: grpo, use_kl_in_reward: false}\n")
+    code, out, _ = plan(capsys, "--model", MODELS / "qwen2.5-0.5b", "--config", config, "--gpus", 1,
+                        "--json")
+    assert code == 0
+    notes = " ".join(n for p in json.loads(out)["layouts"] for n in p["notes"])
+    tokens, whole, shared = (int(x.replace(",", "")) for x in re.search(
+        r"KV cache for ([\d,]+) tokens per engine \(([\d,]+) sequences of 2048; ([\d,]+) with each "
+        r"prompt of 1024 held once for its 8 samples", notes).groups())
+    assert abs(whole - tokens / 2048) <= 1 and abs(shared - tokens / 1152) <= 1

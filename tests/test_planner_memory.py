@@ -58,6 +58,30 @@ def test_activations_are_within_15_percent_of_what_autograd_saves(measured, fami
     assert full < none / 5
 
 
+@pytest.mark.parametrize("family", ["qwen2_policy", "qwen3_moe", "deepseek_v3"])
+def test_packed_and_shared_prompt_micro_batches_are_planned_at_their_shape(measured, family, tiny_models,
+                                                                         family_models):
+    """The shared-prompt test's GRPO-like micro-batch packed with copies of each prompt and with
+    each prompt once (tests/dist_shared_prompts.py), planned at the packed shape: the dense
+    mask (an additive copy per layer without recompute, the boolean once with it) and, shared,
+    RoPE's cos and sin per token. Within 15%; full recompute within 3%; and for GQA each term
+    brings the plan closer to the measured bytes than a plan of plain rows."""
+    from megatron_rlhf.planning.activations import Workload, decoder_saved_bytes
+
+    cases = {k: v for k, v in measured.items() if k.startswith(f"saved_packed/{family}/")}
+    assert len(cases) == 6
+    arch = read_hf_arch({**tiny_models, **family_models}[family])
+    for label, case in cases.items():
+        ratio = case["planned"] / case["measured"]
+        assert 0.85 <= ratio <= 1.15 and (not label.endswith("/full") or 0.97 <= ratio <= 1.03), (label, case)
+        mode = label.rsplit("/", 1)[1]
+        plain = decoder_saved_bytes(arch, Workload(*case["shape"], 4), mode)
+        if arch.mla is None:
+            assert abs(case["planned"] - case["measured"]) <= abs(plain - case["measured"]), (label, case)
+    shared, copies = (measured[f"saved_packed/{family}/{kind}/none"] for kind in ("shared", "packed"))
+    assert shared["measured"] < copies["measured"]  # each prompt once: fewer tokens kept
+
+
 def test_bf16_activations_count_the_softmax_fp32_copy(measured):
     """In bf16 an unfused attention keeps an fp32 softmax output beside the bf16 probabilities
     (what a bf16 step on an H200 showed the planner missing: without it those plans were

@@ -312,6 +312,9 @@ def test_a_time_limit_requeues_and_a_ray_node_killed_later_ends_the_job(cluster,
     step and ends the job when one ends first; no clock is asserted on a shared machine), and a
     failure is not requeued."""
     env = job_env(cluster, workspace, tmp_path, tmp_path / "out", steps=100000, port=6616)
+    # Steps until the signal: each idles 1.6 s in its rewards (16 x 0.1 s), so the ~90 s wait
+    # leaves the CPU to the tests beside this one (no step here is read but the one it saved).
+    env["OVERRIDES"] += " reward.fn=tests.reward_helpers:slow_addition reward.workers=1"
     job = submit(env, tmp_path / "job.out", "--time=3", "--signal=B:USR1@90")
     logs = tmp_path / "logs"
     try:

@@ -52,17 +52,20 @@ def pack_sequences(sequences: list[list[int]], row_capacity: int, pad_id: int,
         raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the row capacity {row_capacity}")
     rows = _assign_rows(lengths, row_capacity) if remove_padding else [[i] for i in range(len(lengths))]
     width = max(sum(lengths[i] for i in row) for row in rows)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    segments = torch.full((len(rows), width), -1, dtype=torch.long)
-    last_index = torch.zeros(len(sequences), 2, dtype=torch.long)
+    # Python lists, made tensors once (a torch call per sequence costs more than it moves)
+    flat_tokens, flat_segments = [pad_id] * (len(rows) * width), [-1] * (len(rows) * width)
+    last = [[0, 0] for _ in sequences]
     for row, members in enumerate(rows):
-        offset = 0
+        offset = row * width
         for index in members:
             n = lengths[index]
-            tokens[row, offset:offset + n] = torch.tensor(sequences[index], dtype=torch.long)
-            segments[row, offset:offset + n] = index
-            last_index[index] = torch.tensor([row, offset + n - 1])
+            flat_tokens[offset:offset + n] = sequences[index]
+            flat_segments[offset:offset + n] = [index] * n
+            last[index] = [row, offset - row * width + n - 1]
             offset += n
+    tokens = torch.tensor(flat_tokens, dtype=torch.long).view(len(rows), width)
+    segments = torch.tensor(flat_segments, dtype=torch.long).view(len(rows), width)
+    last_index = torch.tensor(last, dtype=torch.long).view(len(sequences), 2)
     mask = None
     if remove_padding:
         same = segments[:, :, None] == segments[:, None, :]
@@ -84,9 +87,9 @@ def pack_shared(sequences: list[list[int]], groups: list[int], row_capacity: int
     units, _ = prompt_units(sequences, groups, SHARED_ROW_FACTOR * row_capacity)
     owner, unit_of, segment, position, unpack_row, unpack_col = _place(
         units, lengths, row_capacity, max(lengths))
-    grid = torch.full((len(sequences), max(lengths)), pad_id, dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        grid[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+    width = max(lengths)
+    grid = torch.tensor([list(seq) + [pad_id] * (width - len(seq)) for seq in sequences],
+                        dtype=torch.long)
     valid = owner >= 0
     tokens = grid.flatten()[owner.clamp(min=0)].masked_fill(~valid, pad_id)
     last = torch.tensor(lengths) - 1
@@ -193,35 +196,39 @@ def _place(units: list[Unit], lengths: list[int], capacity: int, width_grid: int
     """Rows for ``units`` (first fit; a unit longer than ``capacity`` gets a row alone). Per
     packed position: the flat sample-grid index it holds (``owner``, -1: padding), its unit and
     segment (0: a shared prefix, j: the unit's j-th member) and its position in its sample; and
-    per sample token, where it sits (``unpack_row``, ``unpack_col``)."""
+    per sample token, where it sits (``unpack_row``, ``unpack_col``). Built in Python lists and
+    made tensors once: a micro-batch has hundreds of spans, and a torch call per span cost more
+    than the reward model's own step on CPU."""
     sizes = [unit.tokens(lengths) for unit in units]
     rows = _assign_rows(sizes, max([capacity, *sizes]))
     width = max(sum(sizes[u] for u in row) for row in rows)
-    owner = torch.full((len(rows), width), -1, dtype=torch.long)
-    unit_of = torch.full((len(rows), width), -1, dtype=torch.long)
-    segment, position = torch.zeros_like(owner), torch.zeros_like(owner)
-    unpack_row = torch.zeros(len(lengths), width_grid, dtype=torch.long)
-    unpack_col = torch.zeros_like(unpack_row)
+    cells = len(rows) * width
+    owner, unit_of, segment, position = [-1] * cells, [-1] * cells, [0] * cells, [0] * cells
+    unpack_row, unpack_col = [0] * (len(lengths) * width_grid), [0] * (len(lengths) * width_grid)
+
+    def put(row: int, col: int, sample: int, start: int, stop: int, u: int, seg: int, members):
+        at, n = row * width + col, stop - start
+        owner[at:at + n] = range(sample * width_grid + start, sample * width_grid + stop)
+        unit_of[at:at + n], segment[at:at + n] = [u] * n, [seg] * n
+        position[at:at + n] = range(start, stop)
+        for i in members:
+            unpack_row[i * width_grid + start:i * width_grid + stop] = [row] * n
+            unpack_col[i * width_grid + start:i * width_grid + stop] = range(col, col + n)
+
     for row, placed in enumerate(rows):
-        offset = 0
+        col = 0
         for u in placed:
             unit = units[u]
             if unit.prefix:
-                span = slice(offset, offset + unit.prefix)
-                owner[row, span] = unit.members[0] * width_grid + torch.arange(unit.prefix)
-                unit_of[row, span], position[row, span] = u, torch.arange(unit.prefix)
-                for i in unit.members:
-                    unpack_row[i, :unit.prefix] = row
-                    unpack_col[i, :unit.prefix] = torch.arange(offset, offset + unit.prefix)
-                offset += unit.prefix
+                put(row, col, unit.members[0], 0, unit.prefix, u, 0, unit.members)
+                col += unit.prefix
             for j, i in enumerate(unit.members, start=1):
-                n = lengths[i] - unit.prefix
-                span, own = slice(offset, offset + n), torch.arange(unit.prefix, lengths[i])
-                owner[row, span] = i * width_grid + own
-                unit_of[row, span], segment[row, span], position[row, span] = u, j, own
-                unpack_row[i, own], unpack_col[i, own] = row, torch.arange(offset, offset + n)
-                offset += n
-    return owner, unit_of, segment, position, unpack_row, unpack_col
+                put(row, col, i, unit.prefix, lengths[i], u, j, (i,))
+                col += lengths[i] - unit.prefix
+    grid = lambda values, r, c: torch.tensor(values, dtype=torch.long).view(r, c)  # noqa: E731
+    return (grid(owner, len(rows), width), grid(unit_of, len(rows), width),
+            grid(segment, len(rows), width), grid(position, len(rows), width),
+            grid(unpack_row, len(lengths), width_grid), grid(unpack_col, len(lengths), width_grid))
 
 
 def _unit_mask(unit_of: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:

@@ -22,13 +22,18 @@ from megatron_rlhf.models.hf_config import ModelArch
 @dataclass(frozen=True)
 class Workload:
     """One micro-batch of one rank: ``batch`` rows of ``seq`` tokens, activations of
-    ``element_bytes`` each (2: bf16, 4: fp32)."""
+    ``element_bytes`` each (2: bf16, 4: fp32). ``packed``: the rows hold several sequences
+    (``data.use_remove_padding``) and carry a dense ``[batch, 1, seq, seq]`` mask on the local
+    spec; ``positions``: every token has its own RoPE position (shared prompts: a reply
+    continues from its prompt's end), so RoPE's cos and sin are per token, not per column."""
 
     batch: int
     seq: int
     element_bytes: int = 2
     tp: int = 1
     sequence_parallel: bool = False
+    packed: bool = False
+    positions: bool = False
 
 
 def _attention_local(arch: ModelArch, w: Workload, mode: str) -> float:
@@ -103,9 +108,25 @@ def layer_bytes(arch: ModelArch, index: int, w: Workload, mode: str, kernels: st
         return tokens * _layer_te_bytes(arch, index, w) / w.tp
     elements = _attention_local(arch, w, mode) + _mlp_local(arch, index, w)
     rope = arch.mla.qk_rope_head_dim if arch.mla else arch.head_dim
-    per_sequence = 4 * w.seq * rope * w.element_bytes  # RoPE's cos/sin for q and k
+    # RoPE's cos/sin for q and k: per column, or per token with positions of their own
+    per_sequence = 4 * (tokens if w.positions else w.seq) * rope * w.element_bytes
     mask = w.seq * w.seq if mode == "none" and arch.mla else 0  # SDPA's math path: causal mask
+    if w.packed and mode == "none" and not arch.mla:
+        # SDPA's fused kernel gets the packed mask as an additive one: a copy in every layer
+        mask = w.batch * w.seq * w.seq * w.element_bytes
     return tokens * elements * w.element_bytes + per_sequence + mask + _fp32_softmax(arch, w, mode)
+
+
+def _packed_once_bytes(arch: ModelArch, w: Workload, mode: str) -> float:
+    """What a packed micro-batch keeps once, whatever the layer count, when layers recompute
+    (selective or full): the boolean mask (a checkpoint's input) and, under full recompute,
+    the per-token RoPE frequencies handed to the checkpointed layers (float32)."""
+    if not w.packed or mode == "none":
+        return 0.0
+    rope = 0.0
+    if mode == "full" and w.positions and not arch.mla:
+        rope = w.batch * w.seq * arch.head_dim * 4.0
+    return w.batch * w.seq * w.seq + rope
 
 
 def _fp32_softmax(arch: ModelArch, w: Workload, mode: str) -> float:
@@ -124,6 +145,8 @@ def decoder_saved_bytes(arch: ModelArch, w: Workload, mode: str, layers: range |
     backward for one micro-batch."""
     layers = range(arch.num_layers) if layers is None else layers
     total = sum(layer_bytes(arch, i, w, mode, kernels) for i in layers)
+    if kernels == "local" and len(layers):
+        total += _packed_once_bytes(arch, w, mode)
     if final_norm:
         total += 2 * w.batch * w.seq * arch.hidden_size * w.element_bytes
     return total

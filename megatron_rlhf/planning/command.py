@@ -84,10 +84,12 @@ def _from_config(path: str, args):
                   lora_rank=a.lora.rank, lora_targets=tuple(a.lora.target_modules),
                   critic_lora_rank=c.critic.lora.rank,
                   critic_lora_targets=tuple(c.critic.lora.target_modules),
+                  packing=_packing(c.data),
                   rollout=Rollout(r.backend, r.tp, r.gpu_memory_utilization,
                                   max(rows * r.tp // args.gpus, 1),
                                   c.data.max_prompt_length + c.data.max_response_length,
-                                  None if r.dtype == "auto" else 4 if r.dtype == "float32" else 2))
+                                  None if r.dtype == "auto" else 4 if r.dtype == "float32" else 2,
+                                  c.data.max_prompt_length, r.n))
         return layout_of(a.parallel), run
     from megatron_rlhf.config.schema import RMConfig, SFTConfig
 
@@ -99,8 +101,19 @@ def _from_config(path: str, args):
               recompute=c.parallel.recompute_granularity or "none",
               distributed_optimizer=c.parallel.use_distributed_optimizer,
               param_bytes=4 if c.model.dtype == "float32" else 2,
-              lora_rank=c.model.lora.rank, lora_targets=tuple(c.model.lora.target_modules))
+              lora_rank=c.model.lora.rank, lora_targets=tuple(c.model.lora.target_modules),
+              packing=_packing(c.data) if job == "train-rm" else
+              "packed" if c.data.use_remove_padding else "none")
     return layout_of(c.parallel), run
+
+
+def _packing(data) -> str:
+    """How a config's rows are laid out (:class:`Run`): its sharing resolved as the trainer
+    resolves it, refusals included."""
+    from megatron_rlhf.trainers.engine import prompt_sharing
+
+    packed = bool(data.use_remove_padding)
+    return "shared" if prompt_sharing(data.share_prompts, packed) else "packed" if packed else "none"
 
 
 def _table(plans, hw: Hardware) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from megatron_rlhf.data.packing import SHARED_ROW_FACTOR
 from megatron_rlhf.distributed.layout import ParallelLayout
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
@@ -41,6 +42,8 @@ class Rollout:
     rows: int = 1  # sequences one engine holds at once (hf engine: its whole share)
     seq: int = 1  # prompt + response tokens
     param_bytes: int | None = None  # rollout.dtype's width; None: the trainer's
+    prompt: int = 0  # prompt tokens of ``seq``, shared by ``n`` samples in SGLang's radix cache
+    n: int = 1  # samples per prompt (rollout.n)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class Run:
     lora_targets: tuple[str, ...] = ()
     critic_lora_rank: int = 0
     critic_lora_targets: tuple[str, ...] = ()
+    # Rows: padded (none), packed (data.use_remove_padding: a dense mask on the local spec) or
+    # packed with shared prompts (RoPE per token; a group's row up to SHARED_ROW_FACTOR x seq).
+    packing: str = "none"
 
     @property
     def te_layers(self) -> bool:
@@ -101,6 +107,21 @@ class LayoutPlan:
                 "state_bytes_by_optimizer": self.state_variants}
 
 
+def _workload(run: Run, layout: ParallelLayout) -> Workload:
+    """One micro-batch as the model sees it. Packed rows carry a dense mask only on megatron's
+    local spec (Transformer Engine packs without one). Shared prompts keep the tokens but may
+    widen a row to a whole group, up to SHARED_ROW_FACTOR rows' worth: planned at the widest,
+    which is the largest mask for those tokens."""
+    batch, seq = run.micro_batch, run.seq
+    packed = run.packing != "none" and not run.te_layers
+    shared = packed and run.packing == "shared"
+    if shared:
+        factor = min(batch, SHARED_ROW_FACTOR)
+        batch, seq = -(-batch // factor), seq * factor
+    return Workload(batch, seq, run.param_bytes, layout.tp, layout.tp > 1, packed=packed,
+                    positions=shared)
+
+
 def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
                  run: Run) -> tuple[dict[str, float], int]:
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
@@ -125,7 +146,7 @@ def _stage_terms(arch: ModelArch, layout: ParallelLayout, stage: int,
                                                 ("distributed_cpu_offload", True, True))}
     first, count = layout.stage_of(arch.num_layers, stage)
     layers, last = range(first, first + count), stage == layout.pp - 1
-    w = Workload(run.micro_batch, run.seq, run.param_bytes, layout.tp, layout.tp > 1)
+    w = _workload(run, layout)
     micro_batches = max(run.global_batch // (layout.dp * run.micro_batch), 1)
     in_flight = min(layout.pp - stage, micro_batches)
     saved = decoder_saved_bytes(arch, w, run.recompute, layers, run.kernels, final_norm=last)
@@ -166,9 +187,16 @@ def _engine_bytes(arch: ModelArch, run: Run, hw: Hardware) -> tuple[float, list[
                           f"rollout.tp={r.tp}) exceed gpu_memory_utilization={r.memory_fraction}"
                           f" of the GPU"], False
         tokens = room / kv
+        # SGLang's radix cache holds a prompt once for its n samples: a sample costs its reply
+        # and 1/n of its prompt (the hf engine prefills a prompt once, then copies its cache)
+        shared = r.seq - r.prompt + r.prompt / r.n if r.n > 1 and r.prompt else r.seq
+        sequences = f"{tokens / max(r.seq, 1):,.0f} sequences of {r.seq}"
+        if shared < r.seq:
+            sequences += (f"; {tokens / shared:,.0f} with each prompt of {r.prompt} held once "
+                          f"for its {r.n} samples")
         notes = [f"rollout engine: {weights / GIB:.1f} GiB of weights per GPU (rollout.tp={r.tp}),"
-                 f" KV cache for {tokens:,.0f} tokens per engine ({tokens / max(r.seq, 1):,.0f} "
-                 f"sequences of {r.seq}, {kv / 1024:.1f} KiB per token per GPU)"]
+                 f" KV cache for {tokens:,.0f} tokens per engine ({sequences}, "
+                 f"{kv / 1024:.1f} KiB per token per GPU)"]
         return pool, notes, True
     return weights + kv * r.rows * r.seq, [], True
 
