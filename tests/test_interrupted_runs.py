@@ -236,3 +236,18 @@ def test_the_checkpoint_writer_queue_dies_with_its_process():
         proc.wait()
     gone, alive = psutil.wait_procs(servers, timeout=30)
     assert not alive, f"the queue's server outlived its killed process: {alive}"
+
+
+def test_a_writer_queue_killed_from_outside_is_started_again_at_the_next_save():
+    """CI13: a pytest worker's in-process saves failed with EOFError at megatron's results
+    queue once its server had died; the next save's ``start_writer_queue`` now starts another."""
+    code = ("import os, signal, time\n"
+            "from megatron_rlhf.checkpoint.model_ckpt import start_writer_queue\n"
+            "from megatron.core.dist_checkpointing.strategies import filesystem_async as f\n"
+            "import megatron_rlhf.checkpoint.model_ckpt as m\n"
+            "start_writer_queue(); first = f._results_queue\n"
+            "os.kill(m._MANAGER[1]._process.pid, signal.SIGKILL); time.sleep(0.5)\n"
+            "start_writer_queue(); assert f._results_queue is not first\n"
+            "f._results_queue.put(9); print('served', f._results_queue.get(), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "served 9" in proc.stdout, proc.stderr[-2000:]

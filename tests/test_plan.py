@@ -224,6 +224,11 @@ def test_packed_rows_and_shared_prompts_are_planned_from_the_config(tmp_path):
            for k in ("local", "te") for p in ("none", "packed", "shared")}
     assert act["local", "none"] < act["local", "packed"] < act["local", "shared"]
     assert act["te", "none"] == act["te", "packed"] == act["te", "shared"]
+    # The planner's copy of the packing rule (planning may not import data).
+    from megatron_rlhf.data import packing
+    from megatron_rlhf.planning import plan
+
+    assert plan.SHARED_ROW_FACTOR == packing.SHARED_ROW_FACTOR
 
 
 def test_sglang_holds_a_prompt_once_for_its_samples(tmp_path, capsys):

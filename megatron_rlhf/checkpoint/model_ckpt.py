@@ -92,6 +92,12 @@ def start_writer_queue() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    global _MANAGER
+    ours = _MANAGER is not None and _MANAGER[0] == os.getpid()
+    if ours and filesystem_async._results_queue is _MANAGER[2] and not _MANAGER[1]._process.is_alive():
+        # The server is gone (killed from outside): a save through it would fail with EOFError
+        # (seen in CI, a long-lived process saving again much later), so start another one.
+        filesystem_async._results_queue = None
     if filesystem_async._results_queue is None:
         from multiprocessing.managers import SyncManager
 
@@ -101,6 +107,10 @@ def start_writer_queue() -> None:
         main = threading.current_thread() is threading.main_thread()
         manager.start(functools.partial(_die_with_parent, os.getpid()) if main else None)
         filesystem_async._results_queue = manager.Queue()
+        _MANAGER = (os.getpid(), manager, filesystem_async._results_queue)
+
+
+_MANAGER = None  # (pid, manager, queue) of the queue this process started
 
 
 def _die_with_parent(parent: int) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_rlhf.errors import UserError
+
 
 @dataclass
 class MoEConfig:
@@ -266,3 +268,16 @@ class SFTConfig:
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(output_dir="runs/sft"))
+
+
+def prompt_sharing(requested: bool | None, packing: bool) -> bool:
+    """``data.share_prompts`` resolved: unset means wherever rows are packed; ``true`` without
+    packed rows (Transformer Engine's kernels, which ignore the layout's mask) is an error,
+    never a silent fallback to copies."""
+    if requested is None:
+        return packing
+    if requested and not packing:
+        raise UserError("data.share_prompts=true needs packed rows: data.use_remove_padding=true "
+                        "with megatron's own attention (Transformer Engine's kernels ignore the "
+                        "shared-prompt mask); set data.share_prompts=false or leave it unset")
+    return requested

@@ -110,7 +110,7 @@ def _from_config(path: str, args):
 def _packing(data) -> str:
     """How a config's rows are laid out (:class:`Run`): its sharing resolved as the trainer
     resolves it, refusals included."""
-    from megatron_rlhf.trainers.engine import prompt_sharing
+    from megatron_rlhf.config.schema import prompt_sharing
 
     packed = bool(data.use_remove_padding)
     return "shared" if prompt_sharing(data.share_prompts, packed) else "packed" if packed else "none"

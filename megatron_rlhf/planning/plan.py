@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from megatron_rlhf.data.packing import SHARED_ROW_FACTOR
 from megatron_rlhf.distributed.layout import ParallelLayout
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.hf_config import ModelArch, padded_vocab_size
@@ -30,6 +29,11 @@ class Hardware:
     gpus: int
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0
+
+
+# data/packing.py's SHARED_ROW_FACTOR (planning may not import data: docs/architecture.md);
+# tests/test_plan.py holds the two equal.
+SHARED_ROW_FACTOR = 4
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config.schema import LoRAConfig, OptimConfig
+from megatron_rlhf.config.schema import LoRAConfig, OptimConfig, prompt_sharing  # noqa: F401
 from megatron_rlhf.data.packing import pad_to_common_shape
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, platform_is_cpu
@@ -44,19 +44,6 @@ def packing_supported(requested: bool, tag: str) -> bool:
             print(f"[{tag}] data.use_remove_padding is not supported with Transformer Engine yet: "
                   "padding instead", flush=True)
         return False
-    return requested
-
-
-def prompt_sharing(requested: bool | None, packing: bool) -> bool:
-    """``data.share_prompts`` resolved: unset means wherever rows are packed; ``true`` without
-    packed rows (Transformer Engine's kernels, which ignore the layout's mask) is an error,
-    never a silent fallback to copies."""
-    if requested is None:
-        return packing
-    if requested and not packing:
-        raise UserError("data.share_prompts=true needs packed rows: data.use_remove_padding=true "
-                        "with megatron's own attention (Transformer Engine's kernels ignore the "
-                        "shared-prompt mask); set data.share_prompts=false or leave it unset")
     return requested
 
 
