@@ -102,18 +102,18 @@ def _from_config(path: str, args):
               distributed_optimizer=c.parallel.use_distributed_optimizer,
               param_bytes=4 if c.model.dtype == "float32" else 2,
               lora_rank=c.model.lora.rank, lora_targets=tuple(c.model.lora.target_modules),
-              packing=_packing(c.data) if job == "train-rm" else
-              "packed" if c.data.use_remove_padding else "none")
+              packing=_packing(c.data))
     return layout_of(c.parallel), run
 
 
 def _packing(data) -> str:
     """How a config's rows are laid out (:class:`Run`): its sharing resolved as the trainer
-    resolves it, refusals included."""
+    resolves it, refusals included (SFT has no groups to share)."""
     from megatron_rlhf.config.schema import prompt_sharing
 
     packed = bool(data.use_remove_padding)
-    return "shared" if prompt_sharing(data.share_prompts, packed) else "packed" if packed else "none"
+    shared = prompt_sharing(getattr(data, "share_prompts", False), packed)
+    return "shared" if shared else "packed" if packed else "none"
 
 
 def _table(plans, hw: Hardware) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config.schema import LoRAConfig, OptimConfig, prompt_sharing  # noqa: F401
+from megatron_rlhf.config.schema import LoRAConfig, OptimConfig
 from megatron_rlhf.data.packing import pad_to_common_shape
 from megatron_rlhf.distributed.layout import ParallelGroups
 from megatron_rlhf.distributed.platform import device, platform_is_cpu

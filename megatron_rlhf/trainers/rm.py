@@ -18,7 +18,7 @@ from megatron_rlhf.algorithms.bradley_terry import bradley_terry_loss, pair_metr
 from megatron_rlhf.checkpoint.train_ckpt import CheckpointWriter
 from megatron_rlhf.config.loader import BatchPlan, batch_plan, validate_rm_config
 from megatron_rlhf.config.parallel import check_parallel_for_model, layout_of, model_options
-from megatron_rlhf.config.schema import RMConfig
+from megatron_rlhf.config.schema import RMConfig, prompt_sharing
 from megatron_rlhf.data.packing import pack_sequences, pack_shared
 from megatron_rlhf.data.preference import TokenizedPair, load_pairs
 from megatron_rlhf.data.chat import pad_id
@@ -27,7 +27,7 @@ from megatron_rlhf.distributed.layout import ParallelGroups, build_parallel_grou
 from megatron_rlhf.errors import UserError
 from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.trainers.engine import (add_adapters, check_prompt_sharing, make_trainable,
-                                          packing_supported, prompt_sharing, reduce_metrics,
+                                          packing_supported, reduce_metrics,
                                           training_dtype)
 from megatron_rlhf.trainers.loop import Run, epoch_order, run_job
 from megatron_rlhf.trainers.rl.value_init import (build_value_model, resolve_value_source,

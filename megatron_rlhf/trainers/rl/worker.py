@@ -19,6 +19,7 @@ from megatron_rlhf.algorithms.ppo import aggregate_denominator
 from megatron_rlhf.algorithms.sppo import win_rates
 from megatron_rlhf.config.loader import batch_plan
 from megatron_rlhf.config.parallel import model_options
+from megatron_rlhf.config.schema import prompt_sharing
 from megatron_rlhf.config.ppo_checks import (critic_epochs, critic_parallel, scoring_temperature,
                                            uses_critic,
                                            uses_reference)
@@ -29,7 +30,7 @@ from megatron_rlhf.models.forward import pipeline_forward
 from megatron_rlhf.models.lora import adapters_disabled
 from megatron_rlhf.rewards.rm_scorer import last_token_rewards
 from megatron_rlhf.trainers.engine import (add_adapters, check_prompt_sharing, make_trainable,
-                                          packing_supported, prompt_sharing, reduce_metrics, set_lr_scale,
+                                          packing_supported, reduce_metrics, set_lr_scale,
                                           train_step, training_dtype)
 from megatron_rlhf.trainers.offload import PARTS
 from megatron_rlhf.trainers.rl.experience import Experience
