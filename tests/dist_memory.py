@@ -151,6 +151,40 @@ def saved_bytes(path: Path, options: ModelOptions, batch: int, seq: int,
     return {"measured": sum(kept.values()), "arch": arch}
 
 
+def _activation_cases(where) -> dict:
+    """label -> a call measuring what autograd saves and planning it (one process, no group)."""
+    cases = {}
+
+    def case(name, options, batch, seq, mode, dtype=torch.float32, rows=None, positions=False):
+        def run():
+            found = saved_bytes(where(name), options, batch, seq, dtype, packed=rows)
+            shape = list(rows["input_ids"].shape) if rows is not None else [batch, seq]
+            planned = decoder_saved_bytes(found["arch"], Workload(*shape, dtype.itemsize,
+                                                                  packed=rows is not None,
+                                                                  positions=positions), mode)
+            return {"measured": found["measured"], "planned": planned,
+                    **({"shape": shape} if rows is not None else {})}
+        return run
+
+    for name in ACTIVATION_MODELS:
+        for mode, options in RECOMPUTE.items():
+            for batch, seq in ((2, 64), (1, 96)):
+                cases[f"saved/{name}/{mode}/b{batch}s{seq}"] = case(name, options, batch, seq, mode)
+    for name in ("qwen2_policy", "deepseek_v3"):  # bf16: the softmax's fp32 copy (GQA and MLA)
+        for batch, seq in ((2, 64), (1, 96)):
+            cases[f"saved_bf16/{name}/b{batch}s{seq}"] = case(name, RECOMPUTE["none"], batch, seq,
+                                                              "none", torch.bfloat16)
+    # Packed rows (a dense mask) and shared prompts (RoPE per token): the shared-prompt test's
+    # GRPO-like micro-batch, packed both ways, planned at the packed shape.
+    for name in ACTIVATION_MODELS:
+        for share in (False, True):
+            rows = pack_token_grid(make_batch(), CAPACITY, share_prompts=share)
+            for mode, options in RECOMPUTE.items():
+                cases[f"saved_packed/{name}/{'shared' if share else 'packed'}/{mode}"] = case(
+                    name, options, 0, 0, mode, rows=rows, positions=share)
+    return cases
+
+
 def main() -> None:
     models, families, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     init_distributed()
@@ -166,31 +200,16 @@ def main() -> None:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, result)
         results[f"state/{label}"] = everyone
-    for name in ACTIVATION_MODELS:
-        for mode, options in RECOMPUTE.items():
-            for batch, seq in ((2, 64), (1, 96)):
-                found = saved_bytes(where(name), options, batch, seq)
-                planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 4), mode)
-                results[f"saved/{name}/{mode}/b{batch}s{seq}"] = {"measured": found["measured"],
-                                                                  "planned": planned}
-    for name in ("qwen2_policy", "deepseek_v3"):  # bf16: the softmax's fp32 copy (GQA and MLA)
-        for batch, seq in ((2, 64), (1, 96)):
-            found = saved_bytes(where(name), RECOMPUTE["none"], batch, seq, torch.bfloat16)
-            planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 2), "none")
-            results[f"saved_bf16/{name}/b{batch}s{seq}"] = {"measured": found["measured"],
-                                                            "planned": planned}
-    # Packed rows (a dense mask) and shared prompts (RoPE per token): the shared-prompt test's
-    # GRPO-like micro-batch, packed both ways, planned at the packed shape.
-    for name in ACTIVATION_MODELS:
-        for share in (False, True):
-            rows = pack_token_grid(make_batch(), CAPACITY, share_prompts=share)
-            for mode, options in RECOMPUTE.items():
-                found = saved_bytes(where(name), options, 0, 0, packed=rows)
-                batch, seq = rows["input_ids"].shape
-                planned = decoder_saved_bytes(found["arch"], Workload(batch, seq, 4, packed=True,
-                                                                      positions=share), mode)
-                results[f"saved_packed/{name}/{'shared' if share else 'packed'}/{mode}"] = {
-                    "measured": found["measured"], "planned": planned, "shape": [batch, seq]}
+    # The activation cases run in one process each (no collective): each rank measures its
+    # share of them and the ranks pool their results.
+    cases = list(_activation_cases(where).items())
+    # Each case builds its groups (collectively): every rank must run as many cases.
+    assert len(cases) % dist.get_world_size() == 0, f"{len(cases)} cases over {dist.get_world_size()} ranks"
+    mine = dict(cases[dist.get_rank()::dist.get_world_size()])
+    pooled = [None] * dist.get_world_size()
+    dist.all_gather_object(pooled, {label: case() for label, case in mine.items()})
+    for part in pooled:
+        results.update(part)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
     dist.barrier()

@@ -7,7 +7,8 @@ per node. Cases: a run with Ray token authentication on (a client without the to
 while it runs; the token file is 0600, never logged, removed at exit); a node that never joins;
 stop signals that save and requeue (deterministic ``scancel --signal USR1 --batch``, and a real
 ``--time`` limit), with MAX_RESTARTS honoured and the resumed run's metrics equal to the
-uninterrupted run's; a Ray node killed mid-run. Skipped, with the reason, where the machine cannot
+uninterrupted run's; a Ray node killed mid-run (that job, which mostly waits, runs beside the
+others: each node has room for two). Skipped, with the reason, where the machine cannot
 make network namespaces or run Slurm, except in CI (``CI=true``), where that is a failure.
 """
 
@@ -18,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,8 +35,9 @@ CLUSTER = REPO / "tools" / "slurm_two_nodes.sh"
 SCRIPT = REPO / "slurm" / "ppo_ray.sbatch"
 EXIT_CANNOT_START = 3
 HEAD = "10.231.8.11"
-# One CPU and one (fake) GPU a node: the two actor ranks land one on each node.
-NODES = ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=1"]
+# One CPU and one (fake) GPU a node: the two actor ranks land one on each node. Not exclusive
+# (the scripts ask for whole nodes): the time-limit job runs beside the others.
+NODES = ["--nodes=2", "--cpus-per-task=1", "--gpus-per-node=1", "--oversubscribe"]
 
 
 def _cluster(command: str, env: dict) -> subprocess.CompletedProcess:
@@ -129,30 +132,53 @@ def wait_for(path: Path, pattern: str, job: str, env: dict, timeout: float = 420
                          + (path.read_text()[-3000:] if path.is_file() else "(no file)"))
 
 
-def namespace_processes(grace_s: float = 60.0) -> dict[str, list[str]]:
-    """Command lines of every process inside the two nodes, slurmd aside, once none is left or
-    after ``grace_s``: a Ray worker whose raylet was killed exits on its own, but not in the
-    same instant the job ends (seen once: a RankActor on the killed node, at the first look)."""
+def namespace_processes(grace_s: float = 60.0, beside: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Command lines of every process inside the two nodes, slurmd aside (and those of the jobs
+    ``beside``, still running next to the one checked), once none is left or after ``grace_s``:
+    a Ray worker whose raylet was killed exits on its own, but not in the same instant the job
+    ends (seen once: a RankActor on the killed node, at the first look)."""
     deadline = time.monotonic() + grace_s
     while True:
-        found = _namespace_processes()
+        found = {ns: [line for job, line in procs if job not in beside]
+                 for ns, procs in _namespace_processes().items()}
         if not any(found.values()) or time.monotonic() > deadline:
             return found
         time.sleep(1)
 
 
-def _namespace_processes() -> dict[str, list[str]]:
+def _namespace_processes() -> dict[str, list[tuple[str | None, str]]]:
+    """(job id, command line) of each process in the two nodes, slurmd aside: the job is the
+    step daemon's own (``slurmstepd: [JOB.STEP]``) or the ``SLURM_JOB_ID`` a task inherits, else
+    its parent's (Ray's agents rename themselves, which hides their environment)."""
     found = {}
     for ns in ("mrl-n1", "mrl-n2"):
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-        lines = []
+        procs = {}  # pid -> (parent pid, job id or None, command line)
         for pid in pids.split():
             try:
-                lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+                line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
             except OSError:
                 continue
-        found[ns] = [line for line in lines if not line.startswith("slurmd")]
+            step = re.match(r"slurmstepd: \[(\d+)\.", line)
+            job = step.group(1) if step else next(
+                (v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"SLURM_JOB_ID=")), None)
+            procs[pid] = (parent, job, line)
+        found[ns] = [(_job_of(pid, procs), line) for pid, (_, _, line) in procs.items()
+                     if not line.startswith("slurmd")]
     return found
+
+
+def _job_of(pid: str, procs: dict) -> str | None:
+    for _ in range(len(procs)):
+        if pid not in procs:
+            return None
+        parent, job, _ = procs[pid]
+        if job is not None:
+            return job
+        pid = parent
+    return None
 
 
 AUTH_PROBE = """
@@ -184,7 +210,45 @@ def probe_gcs_auth(port: int, token: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, workspace, tmp_path_factory):
+def time_limit(cluster, workspace, tmp_path_factory):
+    """The time-limit job (test_a_time_limit_requeues...), submitted before any other job of
+    this file and followed by a thread while the tests before its own run theirs: most of its
+    two minutes it waits (for Slurm's signal, then for its requeue), and each node has room for
+    two jobs of one CPU and one GPU. Its steps idle too: 1.6 s in their rewards (16 x 0.1 s),
+    leaving the CPU to the jobs beside it (no step here is read but the one it saved)."""
+    tmp = tmp_path_factory.mktemp("time_limit")
+    env = job_env(cluster, workspace, tmp, tmp / "out", steps=100000, port=6616)
+    env["OVERRIDES"] += " reward.fn=tests.reward_helpers:slow_addition reward.workers=1"
+    job = submit(env, tmp / "job.out", "--time=3", "--signal=B:USR1@90")
+    seen: dict = {}
+    follower = threading.Thread(target=_follow_time_limit, args=(job, env, tmp / "logs", seen),
+                                daemon=True)
+    follower.start()
+    yield {"job": job, "tmp": tmp, "follower": follower, "seen": seen}
+    follower.join(timeout=900)
+    subprocess.run(["scancel", job], env=env)
+
+
+def _follow_time_limit(job: str, env: dict, logs: Path, seen: dict) -> None:
+    """Once the second attempt has resumed, SIGKILL node2's raylet of this job; then wait for
+    the job to end. What it saw (or the error it met) goes to ``seen``."""
+    try:
+        seen["resumed"] = wait_for(logs / f"{job}-1" / "driver.log", r"resumed from step (\d+)",
+                                   job, env, timeout=420)
+        time.sleep(2)
+        seen["killed"] = _kill_ray_on("mrl-n2", job)
+        wait_done(job, env, timeout=300)  # a hang guard: the script ends the job when a step ends
+    except BaseException as error:  # noqa: BLE001 - raised again by the test
+        seen["error"] = error
+    finally:
+        subprocess.run(["scancel", job], env=env)
+        deadline = time.monotonic() + 120
+        while running(job, env) and time.monotonic() < deadline:
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, workspace, time_limit, tmp_path_factory):
     """12 steps with the actor over both nodes, token authentication on, nothing interrupted."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     out, port = tmp / "out", 6611
@@ -203,7 +267,7 @@ def uninterrupted(cluster, workspace, tmp_path_factory):
             "tmp": tmp}
 
 
-def test_ppo_spans_both_nodes_with_ray_token_authentication(uninterrupted):
+def test_ppo_spans_both_nodes_with_ray_token_authentication(uninterrupted, time_limit):
     run = uninterrupted
     assert "[ppo] done: 12 steps" in run["log"] and "[ppo_ray] finished" in run["log"], run["log"]
     # One actor rank on the worker node (Ray prefixes its lines with the node's address).
@@ -223,10 +287,10 @@ def test_ppo_spans_both_nodes_with_ray_token_authentication(uninterrupted):
     assert not any(run["token"] in text for text in logs)
     # No dashboard: nothing listens on its port, on any address.
     assert ":8265" not in run["listening"], run["listening"]
-    assert namespace_processes() == {"mrl-n1": [], "mrl-n2": []}
+    assert namespace_processes(beside=(time_limit["job"],)) == {"mrl-n1": [], "mrl-n2": []}
 
 
-def test_a_node_that_never_joins_fails_the_job_naming_it(cluster, workspace, tmp_path):
+def test_a_node_that_never_joins_fails_the_job_naming_it(cluster, workspace, time_limit, tmp_path):
     """node2's packets to the head's Ray port are held back (an 8 bit/s traffic class, as a
     firewall would drop them): its Ray worker never joins."""
     port, ns = 6612, ["ip", "netns", "exec", "mrl-n2", "tc"]
@@ -256,25 +320,27 @@ def test_a_node_that_never_joins_fails_the_job_naming_it(cluster, workspace, tmp
     assert len(lines) == 1, log
     assert "never joined: node2 (10.231.8.12)" in lines[0] and "1 of 2 nodes" in lines[0], log
     assert not (tmp_path / "out" / "checkpoints").exists()
-    assert namespace_processes() == {"mrl-n1": [], "mrl-n2": []}
+    assert namespace_processes(beside=(time_limit["job"],)) == {"mrl-n1": [], "mrl-n2": []}
 
 
-def _kill_ray_on(ns: str) -> int:
+def _kill_ray_on(ns: str, job: str) -> int:
+    """SIGKILL to ``job``'s raylet in node ``ns`` (another job's Ray may run beside it)."""
     killed = 0
     for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
                               text=True).stdout.split():
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"raylet/raylet" in cmdline:
+        if b"raylet/raylet" in cmdline and f"SLURM_JOB_ID={job}".encode() in environ:
             os.kill(int(pid), 9)
             killed += 1
     return killed
 
 
 def test_stop_signals_save_requeue_and_resume_as_the_uninterrupted_run(
-        cluster, workspace, uninterrupted, tmp_path):
+        cluster, workspace, uninterrupted, time_limit, tmp_path):
     """USR1 to the batch shell (what --signal=B:USR1 sends) on the first attempt: save, requeue;
     again on the second: save, but MAX_RESTARTS=1 allows no further requeue (exit 75). The
     same job submitted again finishes, and every metrics row equals the uninterrupted run's."""
@@ -304,38 +370,30 @@ def test_stop_signals_save_requeue_and_resume_as_the_uninterrupted_run(
     assert len(steady(out)) == 12
 
 
-def test_a_time_limit_requeues_and_a_ray_node_killed_later_ends_the_job(cluster, workspace,
-                                                                         tmp_path):
+def test_a_time_limit_requeues_and_a_ray_node_killed_later_ends_the_job(time_limit):
     """A real limit: --time=3 with the signal 90 s before it (Slurm sends it up to ~25 s earlier
     still): the run saves, the job requeues and the second attempt resumes from that step. Then
     node2's raylet is killed mid-run: the job ends naming that Ray step (the script waits on every
     step and ends the job when one ends first; no clock is asserted on a shared machine), and a
-    failure is not requeued."""
-    env = job_env(cluster, workspace, tmp_path, tmp_path / "out", steps=100000, port=6616)
-    # Steps until the signal: each idles 1.6 s in its rewards (16 x 0.1 s), so the ~90 s wait
-    # leaves the CPU to the tests beside this one (no step here is read but the one it saved).
-    env["OVERRIDES"] += " reward.fn=tests.reward_helpers:slow_addition reward.workers=1"
-    job = submit(env, tmp_path / "job.out", "--time=3", "--signal=B:USR1@90")
-    logs = tmp_path / "logs"
-    try:
-        resumed = wait_for(logs / f"{job}-1" / "driver.log", r"resumed from step (\d+)", job, env,
-                           timeout=300)
-        time.sleep(2)
-        assert _kill_ray_on("mrl-n2") == 1
-        wait_done(job, env, timeout=300)  # a hang guard: the script ends the job when a step ends
-    finally:
-        subprocess.run(["scancel", job], env=env)
-        wait_done(job, env, timeout=120)
-    first = (logs / f"{job}-0" / "driver.log").read_text()
+    failure is not requeued. The job ran beside the jobs of the tests before this one (the
+    ``time_limit`` fixture); once it has ended, nothing of any job is left on either node."""
+    follower, seen, tmp = time_limit["follower"], time_limit["seen"], time_limit["tmp"]
+    follower.join(timeout=900)
+    assert not follower.is_alive(), "the time-limit job's follower still waits after 900 s"
+    if "error" in seen:
+        raise seen["error"]
+    assert seen["killed"] == 1
+    logs = tmp / "logs"
+    first = (logs / f"{time_limit['job']}-0" / "driver.log").read_text()
     saved = re.search(r"stopped at step (\d+) \(SIGUSR1 received\)", first)
     assert saved, first
-    assert int(resumed.group(1)) == int(saved.group(1)) >= 1
-    log = (tmp_path / "job.out").read_text()
+    assert int(seen["resumed"].group(1)) == int(saved.group(1)) >= 1
+    log = (tmp / "job.out").read_text()
     assert "SIGUSR1: asking the run to save and stop" in log
     assert "stopped to be resumed: requeueing (restart 1 of 3)" in log
     assert re.search(r"step ray-node2 ended \(exit code \d+\) before driver: ending the job", log), log
     assert "failed (exit code 1): not requeued" in log
-    assert not (logs / f"{job}-2").exists()
+    assert not (logs / f"{time_limit['job']}-2").exists()
     assert namespace_processes() == {"mrl-n1": [], "mrl-n2": []}
 
 
