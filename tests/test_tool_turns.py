@@ -292,8 +292,9 @@ def test_what_tools_do_not_combine_with_is_refused_at_start_up(tmp_path, setting
 
 ONE_STEP_OFF = ("rollout.placement=separate", "rollout.world_size=1", "rollout.max_staleness=1",
                 "trainer.save_every_steps=1", "trainer.keep_last_n=5", "rollout.tool_workers=16")
-# One step off, the calculator answers after 8 s (all of a round's calls at once): longer than
-# a tiny update, so the weight sync comes while a step's trajectories wait for their tool round.
+# One step off, the calculator answers after 3 s (all of a round's calls at once): longer than
+# a tiny update (0.2 s beside another test file; with a 5 s round the weight sync waited 4.6 s
+# for it), so the weight sync comes while a step's trajectories wait for their tool round.
 SLOW_CALCULATOR = """- name: calculator
   fn: tests.tool_fns:slow_calculator
   description: evaluates an arithmetic expression

@@ -60,5 +60,5 @@ def turn_reward(response: str, ground_truth: str, prompt: str, extra: dict) -> d
 def slow_calculator(expression: str) -> str:
     """The calculator's answer to the tiny tool caller's one question, after a pause longer than
     a tiny model's update (a one-step-off run's weight sync then comes during the round)."""
-    time.sleep(8.0)
+    time.sleep(3.0)
     return "42" if expression.replace(" ", "") == "6*7" else "?"
