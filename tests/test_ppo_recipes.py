@@ -21,11 +21,15 @@ def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_upda
     """One epoch over one mini-batch: old log-probs come from the update's own forward and no
     reference model is loaded. Forcing both passes back (a zero-weight in-reward KL needs them),
     with one copy of the prompt per sample (``data.share_prompts=false``) where the first run
-    shares each group's prompt, must give the same update."""
+    shares each group's prompt, must give the same update. Both runs sample dynamically (DAPO's
+    filter_groups: a group's replies scored by length, the ties dropped and redrawn) and offload
+    the actor between phases, so the shared layout is checked with both."""
     grpo = ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.ppo_epochs=1",
             "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size_per_rank=16",
             "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0", "trainer.max_steps=2",
-            "trainer.eval_every_steps=0", "trainer.val_before_train=false"]
+            "trainer.eval_every_steps=0", "trainer.val_before_train=false",
+            "reward.fn=tests.reward_helpers:length_in_tens", "algorithm.filter_groups.enable=true",
+            "actor.offload.params=true", "actor.offload.grads=true", "actor.offload.optimizer=true"]
     runs = {}
     for label, kl in (("on_policy", "false"), ("recomputed", "true")):
         out = tmp_path / label
@@ -40,6 +44,12 @@ def test_on_policy_grpo_skips_old_and_reference_passes_without_changing_the_upda
     # Shared: each group's ~20-token prompt once for 4 replies of <= 8 tokens.
     assert all(r["actor/tokens_computed"] < 0.6 * r["actor/tokens_sample"] for r in fast)
     assert all(r["actor/tokens_computed"] == r["actor/tokens_sample"] for r in slow)
+    # Dynamic sampling ran alike: the same groups kept and dropped, in the same rounds; the
+    # actor's state was offloaded in both.
+    assert any(r["dapo/dropped_groups"] > 0 for r in fast), fast
+    assert all(r["offload/bytes"] > 0 for r in fast + slow)
+    for key in ("dapo/rounds", "dapo/kept_groups", "dapo/dropped_groups", "dapo/trained_groups"):
+        assert [r[key] for r in fast] == [r[key] for r in slow], key
     for a, b in zip(fast, slow):
         assert a["actor/ppo_kl"] == 0.0 and a["actor/clipfrac"] == 0.0  # ratio exactly 1
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "reward/score_mean"):
